@@ -1,0 +1,20 @@
+"""compile_trainer: declared torch.compile policies for Lightning training."""
+
+from compile_trainer.apply import AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.callback import CompileCallback
+from compile_trainer.policy import CompilePolicy, PolicyError, Rule, to_policy
+from compile_trainer.selection import CompilePlan, find_repeated_blocks, resolve_plan
+
+__all__ = [
+    "AppliedPolicy",
+    "CompileCallback",
+    "CompilePlan",
+    "CompilePolicy",
+    "PolicyError",
+    "Rule",
+    "apply_policy",
+    "find_repeated_blocks",
+    "format_plan_table",
+    "resolve_plan",
+    "to_policy",
+]

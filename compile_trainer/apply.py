@@ -1,0 +1,222 @@
+"""Applying a plan: compile regions in place, keep eager modules eager, report what happened.
+
+Regions are compiled in place (``module._compiled_call_impl``, as ``nn.Module.compile`` does), so
+``state_dict()`` keys never gain ``_orig_mod.``. Each region's top frame is a small entry function
+whose code object is made per (class, settings): all blocks of one class share one cache entry,
+and therefore one compiled graph, while regions of other classes never collide in it. This also
+works for classes defined in ``torch.nn``, which ``module.compile()`` silently skips on
+torch < 2.14 (their ``forward`` lives in files Dynamo does not trace as a top frame).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from compile_trainer.policy import CompilePolicy, CompileSettings, PolicyError
+from compile_trainer.selection import CompilePlan, Region, resolve_plan
+
+APPLIED_ATTR = "_compile_trainer_applied"
+CPU_FALLBACK_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+ENTRY_PREFIX = "compiled_region__"
+
+
+@dataclass
+class CompiledRegion:
+    """A region as compiled: the arguments given to ``torch.compile`` and how often it ran."""
+
+    region: Region
+    entry_name: str  # the code name Dynamo reports for this region's frames
+    compile_kwargs: Dict[str, Any]
+    calls: int = 0
+
+
+@dataclass
+class AppliedPolicy:
+    """What ``apply_policy`` did to a model; ``remove()`` undoes it."""
+
+    policy: CompilePolicy
+    plan: CompilePlan
+    compiled: List[CompiledRegion] = field(default_factory=list)
+    eager_inside: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    _root: Optional[nn.Module] = None
+
+    def shared_counts(self) -> Dict[str, int]:
+        """How many regions share each compiled entry (and so one compiled graph)."""
+        counts: Dict[str, int] = {}
+        for item in self.compiled:
+            counts[item.entry_name] = counts.get(item.entry_name, 0) + 1
+        return counts
+
+    def rows(self) -> List[Dict[str, Any]]:
+        """The plan as table rows: one per selected module."""
+        shared = self.shared_counts()
+        rows = [
+            {
+                "module": c.region.name,
+                "class": c.region.class_name,
+                "action": {"full": "full", "block": "regional block", "rest": "regional rest"}[c.region.role],
+                "rule": c.region.rule_index,
+                "settings": _describe_kwargs(c.compile_kwargs),
+                "shares_graph_with": shared[c.entry_name],
+            }
+            for c in self.compiled
+        ]
+        for name, rule_index in self.plan.eager.items():
+            inside = name in self.eager_inside
+            rows.append(
+                {
+                    "module": name,
+                    "class": type(self._root.get_submodule(name)).__name__ if self._root is not None else "",
+                    "action": "eager (graph break)" if inside else "eager",
+                    "rule": rule_index,
+                    "settings": "-",
+                    "shares_graph_with": 0,
+                }
+            )
+        return rows
+
+    def remove(self) -> None:
+        """Restore every module to plain eager execution."""
+        for item in self.compiled:
+            item.region.module._compiled_call_impl = None
+        if self._root is not None:
+            for name in self.eager_inside:
+                self._root.get_submodule(name).__dict__.pop("forward", None)
+            self._root.__dict__.pop(APPLIED_ATTR, None)
+
+
+def _describe_kwargs(kwargs: Dict[str, Any]) -> str:
+    text = f"backend={kwargs['backend']} mode={kwargs['mode'] or 'default'}"
+    if kwargs["fullgraph"]:
+        text += " fullgraph"
+    if kwargs["dynamic"] is not None:
+        text += f" dynamic={kwargs['dynamic']}"
+    if kwargs["options"]:
+        text += f" options={kwargs['options']}"
+    return text
+
+
+def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dict[str, Any], List[str]]:
+    """``torch.compile`` keyword arguments for ``settings`` on ``device``, with notes on what changed.
+
+    ``mode`` and ``options`` only mean something to Inductor; both may be given (the mode's options
+    are merged under the explicit ones). CUDA-graph and autotuning modes fall back to the default
+    mode on the CPU, where they either do nothing or take many minutes.
+    """
+    notes: List[str] = []
+    mode, options = settings.mode, dict(settings.options)
+    if settings.backend != "inductor" and (mode or options):
+        notes.append(f"mode/options ignored: backend {settings.backend!r} does not take them")
+        mode, options = None, {}
+    if device.type == "cpu" and mode in CPU_FALLBACK_MODES:
+        notes.append(f"mode {mode!r} needs a GPU; using the default mode on the CPU")
+        mode = None
+    if mode == "default":
+        mode = None
+    if mode and options:
+        options = {**torch._inductor.list_mode_options(mode), **options}
+        mode = None
+    kwargs = {
+        "backend": settings.backend,
+        "mode": mode,
+        "fullgraph": settings.fullgraph,
+        "dynamic": settings.dynamic,
+        "options": options or None,
+    }
+    return kwargs, notes
+
+
+def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return module._call_impl(*args, **kwargs)
+
+
+_entries: Dict[Tuple[type, str], types.FunctionType] = {}  # (class, settings and region) -> entry
+
+
+def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
+    """A copy of ``_call_region`` with its own code object: Dynamo caches compiled code per code object."""
+    key = (cls, key_suffix)
+    if key not in _entries:
+        same_class = sum(1 for c, _ in _entries if c is cls)
+        name = f"{ENTRY_PREFIX}{cls.__name__}" + (f"_{same_class}" if same_class else "")
+        code = _call_region.__code__.replace(co_name=name, co_qualname=name)
+        _entries[key] = types.FunctionType(code, _call_region.__globals__, name)
+    return _entries[key]
+
+
+def _counting_call(item: CompiledRegion, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        item.calls += 1
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def model_device(module: nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.device] = None) -> AppliedPolicy:
+    """Resolve ``policy`` against ``root`` and compile its regions in place.
+
+    Compilation itself is lazy (at each region's first call); errors in the policy are raised here.
+    """
+    if getattr(root, APPLIED_ATTR, None) is not None:
+        previous = getattr(root, APPLIED_ATTR).policy.name
+        raise PolicyError(
+            f"a compile policy ({previous!r}) is already applied to this {type(root).__name__}; "
+            "apply one policy once per model (call .remove() on the first AppliedPolicy to undo it)."
+        )
+    plan = resolve_plan(root, policy)
+    device = device or model_device(root)
+    applied = AppliedPolicy(policy=policy, plan=plan, notes=list(plan.notes), _root=root)
+    if not policy.enabled:
+        setattr(root, APPLIED_ATTR, applied)
+        return applied
+    torch._dynamo.config.recompile_limit = policy.recompile_limit
+    for region in plan.regions:
+        kwargs, notes = compile_kwargs(region.settings, device)
+        applied.notes += [f"{region.name}: {note}" for note in notes if note not in applied.notes]
+        # Blocks of one class share an entry (one graph); any other region gets its own, so that
+        # differently shaped modules of one class (two embeddings, say) never recompile each other.
+        key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
+        entry = _entry_function(type(region.module), key)
+        item = CompiledRegion(region=region, entry_name=entry.__name__, compile_kwargs=kwargs)
+        compiled = torch.compile(types.MethodType(entry, region.module), **kwargs)
+        region.module._compiled_call_impl = _counting_call(item, compiled)
+        applied.compiled.append(item)
+    for name in plan.eager:
+        if plan.enclosing_region(name) is not None:
+            module = root.get_submodule(name)
+            module.forward = torch.compiler.disable(module.forward)
+            applied.eager_inside.append(name)
+    setattr(root, APPLIED_ATTR, applied)
+    return applied
+
+
+def format_plan_table(applied: AppliedPolicy) -> str:
+    """A fixed-width table of the plan, for the console."""
+    rows = applied.rows()
+    header = f"compile policy {applied.policy.name!r}"
+    if not applied.policy.enabled:
+        return f"{header}: disabled, the model runs eagerly"
+    columns = ["module", "class", "action", "rule", "settings", "shares_graph_with"]
+    titles = ["module", "class", "action", "rule", "settings", "shared by"]
+    cells = [[str(row[c]) for c in columns] for row in rows]
+    widths = [max([len(t)] + [len(r[i]) for r in cells]) for i, t in enumerate(titles)]
+    lines = [header, "  ".join(t.ljust(w) for t, w in zip(titles, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    groups = applied.shared_counts()
+    lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
+    lines += [f"note: {note}" for note in applied.notes]
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""The compile policy schema: typed dataclasses, validated before anything is compiled.
+
+A policy has global compile settings and an ordered list of rules. Each rule selects
+submodules (by qualified-name glob and/or class name) and says what to do with them:
+``full`` (compile the module whole), ``regional`` (compile each repeated block under it
+in place, so identical blocks share one compiled graph) or ``eager`` (never compile it).
+Later rules refine earlier ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+ACTIONS = ("full", "regional", "eager")
+REST_ACTIONS = ("eager", "compile")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+SETTING_FIELDS = ("backend", "mode", "fullgraph", "dynamic", "options")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be applied; raised before training starts."""
+
+
+@dataclass
+class Rule:
+    """Select submodules and say how to compile them.
+
+    ``name`` is a glob over qualified module names relative to the LightningModule
+    (``*`` matches one name segment, ``**`` any number, e.g. ``model.blocks.*``);
+    ``class_name`` matches the module's class name (a glob too, e.g. ``Block``).
+    A module must match every field given. The settings fields override the policy's.
+    """
+
+    name: Optional[str] = None
+    class_name: Optional[str] = None
+    action: str = "full"
+    # For ``regional``: what to do with the parts under the module that are not repeated
+    # blocks (embedding, final norm, head...): ``compile`` each as its own region, or ``eager``.
+    rest: str = "eager"
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: Optional[bool] = None
+    dynamic: Optional[bool] = None
+    options: Optional[Dict[str, Any]] = None
+
+    def describe(self) -> str:
+        parts = [
+            f"name={self.name!r}" if self.name else "",
+            f"class_name={self.class_name!r}" if self.class_name else "",
+        ]
+        return f"Rule({', '.join(p for p in parts if p)}, action={self.action!r})"
+
+
+@dataclass
+class CompileSettings:
+    """The ``torch.compile`` arguments that a region is compiled with."""
+
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    def overridden_by(self, rule: Rule) -> CompileSettings:
+        changes = {f: getattr(rule, f) for f in SETTING_FIELDS if getattr(rule, f) is not None}
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        text = f"backend={self.backend} mode={self.mode or 'default'} fullgraph={self.fullgraph}"
+        text += f" dynamic={self.dynamic}"
+        if self.options:
+            text += f" options={dict(self.options)}"
+        return text
+
+
+@dataclass
+class CompilePolicy:
+    """A whole compile policy: global settings plus ordered rules.
+
+    ``enabled: false`` (the ``none`` policy) trains eagerly but keeps the telemetry.
+    """
+
+    name: str = "custom"
+    enabled: bool = True
+    backend: str = "inductor"
+    mode: Optional[str] = None
+    fullgraph: bool = False
+    dynamic: Optional[bool] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
+    recompile_limit: int = 8
+    rules: List[Rule] = field(default_factory=list)
+
+    @property
+    def settings(self) -> CompileSettings:
+        return CompileSettings(self.backend, self.mode, self.fullgraph, self.dynamic, dict(self.options))
+
+
+def available_backends() -> List[str]:
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def _check_settings(where: str, backend: Optional[str], mode: Optional[str]) -> None:
+    if backend is not None and backend not in available_backends():
+        raise PolicyError(f"{where}: unknown backend {backend!r}. Valid backends: {', '.join(available_backends())}.")
+    if mode is not None and mode not in MODES:
+        raise PolicyError(f"{where}: invalid mode {mode!r}. Valid modes: {', '.join(MODES)}.")
+
+
+def validate_policy(policy: CompilePolicy) -> CompilePolicy:
+    """Check values that the type system cannot; raise ``PolicyError`` naming what is valid."""
+    where = f"compile policy {policy.name!r}"
+    _check_settings(where, policy.backend, policy.mode)
+    if policy.recompile_limit < 1:
+        raise PolicyError(f"{where}: recompile_limit must be >= 1, got {policy.recompile_limit}.")
+    if policy.enabled and not policy.rules:
+        raise PolicyError(f"{where}: enabled but has no rules; add a rule such as {{name: '*', action: full}}.")
+    for index, rule in enumerate(policy.rules):
+        rule_where = f"{where}, rule {index} {rule.describe()}"
+        if rule.name is None and rule.class_name is None:
+            raise PolicyError(f"{rule_where}: give `name` (a qualified-name glob) or `class_name`, or both.")
+        if rule.action not in ACTIONS:
+            raise PolicyError(f"{rule_where}: invalid action {rule.action!r}. Valid actions: {', '.join(ACTIONS)}.")
+        if rule.rest not in REST_ACTIONS:
+            raise PolicyError(f"{rule_where}: invalid rest {rule.rest!r}. Valid values: {', '.join(REST_ACTIONS)}.")
+        _check_settings(rule_where, rule.backend, rule.mode)
+    return policy
+
+
+def bundled_policy_dir() -> Path:
+    """``conf/compile`` of this checkout or installation."""
+    return Path(__file__).resolve().parent.parent / "conf" / "compile"
+
+
+def bundled_policy_names() -> List[str]:
+    return sorted(p.stem for p in bundled_policy_dir().glob("*.yaml"))
+
+
+def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
+    """Build a validated policy from a ``CompilePolicy``, a dict/DictConfig, or a bundled policy name.
+
+    ``overrides`` are merged on top, e.g. ``to_policy("regional", backend="aot_eager")``.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(CompilePolicy)
+    try:
+        if spec is None:
+            spec = "regional"
+        if isinstance(spec, str):
+            path = bundled_policy_dir() / f"{spec}.yaml"
+            if not path.is_file():
+                raise PolicyError(
+                    f"unknown compile policy {spec!r}. Bundled policies: {', '.join(bundled_policy_names())}."
+                )
+            loaded = OmegaConf.load(path)
+            loaded.pop("defaults", None)
+            if "name" not in loaded:
+                loaded.name = spec
+            merged = OmegaConf.merge(schema, loaded)
+        elif isinstance(spec, CompilePolicy):
+            merged = OmegaConf.merge(schema, OmegaConf.structured(spec))
+        else:
+            merged = OmegaConf.merge(schema, spec)
+        if overrides:
+            merged = OmegaConf.merge(merged, overrides)
+    except OmegaConfBaseException as error:
+        raise PolicyError(f"invalid compile policy: {error}") from error
+    return validate_policy(OmegaConf.to_object(merged))
+
+
+def policy_to_dict(policy: CompilePolicy) -> Dict[str, Any]:
+    return dataclasses.asdict(policy)

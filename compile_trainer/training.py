@@ -1,0 +1,42 @@
+"""Run one training job from a composed Hydra config (what ``train.py`` calls)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import WandbLogger
+from omegaconf import DictConfig, OmegaConf
+
+from compile_trainer.callback import CompileCallback
+
+log = logging.getLogger(__name__)
+
+
+def build_callback(cfg: DictConfig) -> CompileCallback:
+    return CompileCallback(policy=OmegaConf.to_container(cfg.compile, resolve=True))
+
+
+def train(cfg: DictConfig) -> Dict[str, Any]:
+    """Fit the configured recipe under the configured compile policy; return the final metrics."""
+    callback = build_callback(cfg)  # validates the policy before anything heavy happens
+    pl.seed_everything(cfg.seed, workers=True)
+    module = instantiate(cfg.recipe.module)
+    data = instantiate(cfg.recipe.data)
+    logger = instantiate(cfg.logger)
+    logger.log_hyperparams({"config": OmegaConf.to_container(cfg, resolve=True)})
+    trainer: pl.Trainer = instantiate(cfg.trainer, logger=logger, callbacks=[callback])
+    try:
+        trainer.fit(module, datamodule=data)
+        if cfg.save_checkpoint:
+            path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
+            trainer.save_checkpoint(path)
+            log.info("checkpoint saved to %s", path)
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    finally:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.finish()
+    return metrics

@@ -1,0 +1,174 @@
+"""A nanoGPT-style decoder-only language model and its LightningModule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # byte-level tokens
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, channels = x.shape
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(batch, length, channels)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embedding, ``n_layer`` Blocks, final LayerNorm, tied LM head, cross-entropy."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None, ignore_index: int = -100
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class LanguageModel(pl.LightningModule):
+    """Trains a ``GPT`` on ``(inputs, targets)`` batches of token ids with AdamW and a warm-up + cosine schedule."""
+
+    def __init__(
+        self,
+        model: GPTConfig | dict,
+        lr: float = 1e-3,
+        min_lr_ratio: float = 0.1,
+        warmup_steps: int = 20,
+        decay_steps: int = 1000,
+        weight_decay: float = 0.1,
+        betas: Tuple[float, float] = (0.9, 0.95),
+        fused: Optional[bool] = None,
+    ):
+        super().__init__()
+        config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.save_hyperparameters(
+            {"model": vars(config)}
+            | {
+                k: v
+                for k, v in locals().items()
+                if k in {"lr", "min_lr_ratio", "warmup_steps", "decay_steps", "weight_decay", "betas", "fused"}
+            }
+        )
+        self.model = GPT(config)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        return self.model(idx, targets)
+
+    def _loss(self, batch) -> torch.Tensor:
+        inputs, targets = batch
+        return self.model(inputs, targets)[1]
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(
+            groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas), fused=self.hparams.fused
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_factor(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
+        warmup, decay = self.hparams.warmup_steps, self.hparams.decay_steps
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, decay - warmup))
+        ratio = self.hparams.min_lr_ratio
+        return ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,38 @@
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from recipes.gpt import GPT, GPTConfig
+
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with empty Dynamo caches and its default recompile limit."""
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    yield
+    torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = limit
+
+
+TINY_GPT = GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16)
+
+
+@pytest.fixture
+def tiny_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(TINY_GPT)
+
+
+class Wrapper(nn.Module):
+    """A LightningModule-like root: the model under ``model`` plus a head without blocks."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.head = nn.Linear(4, 4)

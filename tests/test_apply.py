@@ -1,0 +1,137 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+from compile_trainer import CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
+from recipes.data import StdlibTextDataModule
+from recipes.gpt import LanguageModel
+from tests.conftest import TINY_GPT, Wrapper
+
+
+def graphs_compiled() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_identical_blocks_compile_one_graph_not_n(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    applied = apply_policy(
+        root, to_policy({"rules": [{"name": "model", "action": "regional"}], "backend": "aot_eager"})
+    )
+    before = graphs_compiled()
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8))
+    _, loss = root.model(tokens, tokens)
+    loss.backward()
+    assert graphs_compiled() - before == 1, "three identical blocks share one compiled graph"
+    assert [c.calls for c in applied.compiled] == [1, 1, 1]
+    assert applied.shared_counts() == {applied.compiled[0].entry_name: 3}
+
+
+def test_torch_nn_classes_really_capture_graphs():
+    """Classes defined in torch.nn are silently skipped by ``module.compile()`` on torch < 2.14."""
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 3, enable_nested_tensor=False
+    )
+    before = graphs_compiled()
+    apply_policy(
+        nn.Sequential(encoder), to_policy({"rules": [{"name": "0", "action": "regional"}], "backend": "eager"})
+    )
+    encoder(torch.randn(2, 5, 16, requires_grad=True))  # as from an embedding: no requires_grad recompile
+    assert graphs_compiled() - before == 1
+    linear = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    before = graphs_compiled()
+    apply_policy(linear, to_policy({"rules": [{"name": "*"}], "backend": "eager"}))
+    linear(torch.randn(2, 4))
+    assert graphs_compiled() - before == 2, "two regions of different classes: one graph each"
+    assert not any("0/1" in str(m.compile_id) for m in get_compilation_metrics()), "and no recompile"
+
+
+def test_policy_applied_twice_is_an_error_and_remove_restores_eager(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    applied = apply_policy(root, to_policy("regional", backend="eager"))
+    with pytest.raises(PolicyError, match="already applied"):
+        apply_policy(root, to_policy("full", backend="eager"))
+    assert "model.blocks.0" in format_plan_table(applied)
+    applied.remove()
+    assert all(m._compiled_call_impl is None for m in root.modules())
+    apply_policy(root, to_policy("full", backend="eager"))
+
+
+def test_eager_rule_inside_compiled_module_becomes_a_graph_break(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    policy = to_policy(
+        {"rules": [{"name": "model"}, {"name": "model.blocks.1", "action": "eager"}], "backend": "eager"}
+    )
+    applied = apply_policy(root, policy)
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8))
+    with torch.no_grad():
+        eager_logits, _ = tiny_gpt.__class__.forward(tiny_gpt, tokens)  # plain call for the reference
+    counters["graph_break"].clear()
+    logits, _ = root.model(tokens)
+    breaks = list(counters["graph_break"])
+    assert len(breaks) == 1 and "torch.compiler.disable" in breaks[0], "the graph breaks at the eager block"
+    assert torch.allclose(logits, eager_logits, atol=1e-6)
+    assert {row["module"]: row["action"] for row in applied.rows()}["model.blocks.1"] == "eager (graph break)"
+
+
+class LossRecorder(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit_tiny(policy, steps=4, callbacks=(), ckpt_path=None, module=None):
+    pl.seed_everything(0)
+    module = module or LanguageModel(
+        model=vars(TINY_GPT) | {"block_size": 32, "vocab_size": 256}, warmup_steps=2, decay_steps=steps
+    )
+    data = StdlibTextDataModule(block_size=32, batch_size=4, max_bytes=200_000)
+    recorder = LossRecorder()
+    trainer = pl.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        callbacks=[recorder, *callbacks] + ([CompileCallback(policy)] if policy else []),
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, module, recorder.losses
+
+
+def test_compiled_and_eager_training_give_the_same_losses():
+    _, _, eager = fit_tiny(None)
+    _, _, regional = fit_tiny(to_policy("regional", backend="aot_eager"))
+    _, _, full = fit_tiny(to_policy("full", backend="aot_eager"))
+    assert len(eager) == 4 and eager[0] > eager[-1]
+    assert regional == pytest.approx(eager, rel=1e-4)
+    assert full == pytest.approx(eager, rel=1e-4)
+
+
+def test_checkpoints_load_both_ways(tmp_path):
+    trainer, compiled_module, _ = fit_tiny(to_policy("regional", backend="aot_eager"), steps=3)
+    state = compiled_module.state_dict()
+    assert not any("_orig_mod" in key for key in state)
+    trainer.save_checkpoint(tmp_path / "compiled.ckpt")
+    eager_module = LanguageModel.load_from_checkpoint(tmp_path / "compiled.ckpt")
+    assert all(torch.equal(state[k], v) for k, v in eager_module.state_dict().items())
+
+    eager_trainer, eager_trained, _ = fit_tiny(None, steps=3)
+    eager_trainer.save_checkpoint(tmp_path / "eager.ckpt")
+    # Resume each checkpoint eagerly and under compilation: the same next losses.
+    _, _, resumed_compiled = fit_tiny(
+        to_policy("regional", backend="aot_eager"), steps=5, ckpt_path=tmp_path / "eager.ckpt"
+    )
+    _, _, resumed_eager = fit_tiny(None, steps=5, ckpt_path=tmp_path / "eager.ckpt")
+    assert len(resumed_compiled) == 2
+    assert resumed_compiled == pytest.approx(resumed_eager, rel=1e-4)
+    _, _, compiled_then_eager = fit_tiny(None, steps=5, ckpt_path=tmp_path / "compiled.ckpt")
+    _, _, compiled_then_compiled = fit_tiny(
+        to_policy("regional", backend="aot_eager"), steps=5, ckpt_path=tmp_path / "compiled.ckpt"
+    )
+    assert compiled_then_eager == pytest.approx(compiled_then_compiled, rel=1e-4)

@@ -1,0 +1,101 @@
+import pytest
+from torch import nn
+
+from compile_trainer.policy import PolicyError, to_policy
+from compile_trainer.selection import find_repeated_blocks, resolve_plan
+from tests.conftest import Wrapper
+
+
+def plan_for(root, rules, **settings):
+    return resolve_plan(root, to_policy({"rules": rules, **settings}))
+
+
+def test_name_globs_and_class_names_select_modules(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    plan = plan_for(root, [{"name": "model.blocks.*", "action": "full"}])
+    assert plan.region_names() == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    plan = plan_for(root, [{"class_name": "Block"}])
+    assert plan.region_names() == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    plan = plan_for(root, [{"name": "model.**.mlp", "action": "full"}])
+    assert plan.region_names() == [f"model.blocks.{i}.mlp" for i in range(3)]
+    plan = plan_for(root, [{"name": "*"}])
+    assert plan.region_names() == ["model", "head"]
+    plan = plan_for(root, [{"name": "model.blocks.*.*", "class_name": "LayerNorm"}])
+    assert plan.region_names() == [f"model.blocks.{i}.ln_{j}" for i in range(3) for j in (1, 2)]
+
+
+def test_later_rules_refine_earlier_ones(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    plan = plan_for(
+        root,
+        [
+            {"name": "model", "action": "regional"},
+            {"name": "model.blocks.1", "action": "eager"},
+            {"name": "model.blocks.2", "action": "full", "mode": "max-autotune"},
+        ],
+    )
+    assert plan.region_names() == ["model.blocks.0", "model.blocks.2"]
+    assert plan.eager == {"model.blocks.1": 1}
+    by_name = {r.name: r for r in plan.regions}
+    assert by_name["model.blocks.0"].settings.mode is None and by_name["model.blocks.0"].role == "block"
+    assert by_name["model.blocks.2"].settings.mode == "max-autotune" and by_name["model.blocks.2"].rule_index == 2
+    # A later whole-module rule replaces the regional decisions under it.
+    plan = plan_for(root, [{"name": "model", "action": "regional"}, {"name": "model", "action": "full"}])
+    assert plan.region_names() == ["model"] and plan.eager == {}
+
+
+def test_eager_inside_a_compiled_module_and_nested_compilation(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    plan = plan_for(root, [{"name": "model"}, {"name": "model.blocks.0.attn", "action": "eager"}])
+    assert plan.region_names() == ["model"]
+    assert plan.enclosing_region("model.blocks.0.attn").name == "model"
+    with pytest.raises(PolicyError, match="compile 'model.blocks.0' inside 'model'.*at most once"):
+        plan_for(root, [{"name": "model"}, {"name": "model.blocks.0"}])
+
+
+def test_rule_matching_nothing_lists_nearest_names(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    with pytest.raises(PolicyError, match=r"matches no module; nearest module names: .*model\.blocks"):
+        plan_for(root, [{"name": "model.block.*"}])
+    with pytest.raises(PolicyError, match="class names in the model: Block"):
+        plan_for(root, [{"class_name": "Blok"}])
+
+
+def test_regional_detection_on_the_recipe_model(tiny_gpt):
+    assert find_repeated_blocks(tiny_gpt) == [("blocks", ["blocks.0", "blocks.1", "blocks.2"])]
+    root = Wrapper(tiny_gpt)
+    plan = plan_for(root, [{"name": "model", "action": "regional", "rest": "compile"}])
+    roles = {r.name: r.role for r in plan.regions}
+    assert roles == {
+        "model.wte": "rest",
+        "model.wpe": "rest",
+        "model.blocks.0": "block",
+        "model.blocks.1": "block",
+        "model.blocks.2": "block",
+        "model.ln_f": "rest",
+        "model.lm_head": "rest",
+    }
+    assert any("model.drop" in note for note in plan.notes)
+    plan = plan_for(root, [{"name": "model", "action": "regional"}])
+    assert {r.role for r in plan.regions} == {"block"}
+
+
+def test_regional_detection_on_transformer_encoder():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    assert find_repeated_blocks(encoder) == [("layers", ["layers.0", "layers.1", "layers.2"])]
+    plan = plan_for(nn.Sequential(encoder), [{"class_name": "TransformerEncoder", "action": "regional"}])
+    assert plan.region_names() == ["0.layers.0", "0.layers.1", "0.layers.2"]
+
+
+def test_regional_without_repeated_blocks_names_the_children(tiny_gpt):
+    root = Wrapper(tiny_gpt)
+    with pytest.raises(PolicyError, match=r"'model.blocks.0' \(Block\) has no repeated blocks.*model.blocks.0.ln_1"):
+        plan_for(root, [{"name": "model.blocks.0", "action": "regional"}])
+    # A glob that also matches modules without blocks compiles those whole as the rule's rest.
+    plan = plan_for(root, [{"name": "*", "action": "regional", "rest": "compile"}])
+    assert "head" in plan.region_names() and "model.blocks.0" in plan.region_names()
+
+
+def test_disabled_policy_plans_nothing(tiny_gpt):
+    assert resolve_plan(Wrapper(tiny_gpt), to_policy("none")).regions == []

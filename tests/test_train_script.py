@@ -1,0 +1,73 @@
+"""``train.py`` end to end, as a user runs it: real Hydra, real Lightning, real W&B offline runs."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from compile_trainer.wandb_offline import read_offline_run
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "recipe.module.model.n_layer=2",
+    "recipe.module.model.n_embd=32",
+    "recipe.module.model.block_size=32",
+    "recipe.data.max_bytes=300000",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+]
+
+
+def run_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def test_train_regional_with_inductor_records_loss_in_wandb(tmp_path):
+    result = run_train(tmp_path, "compile=regional", "trainer.max_steps=6", "trainer.val_check_interval=3")
+    assert "compile policy 'regional'" in result.stdout + result.stderr
+    run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
+    losses = run.series("train/loss")
+    assert len(losses) == 6 and all(0 < loss < 10 for loss in losses)
+    assert run.series("val/loss"), "validation loss is reported"
+    assert run.config["config"]["compile"]["name"] == "regional"
+    plan = {row["module"]: row for row in run.config["compile_plan"]}
+    assert plan["model.blocks.0"]["action"] == "regional block" and plan["model.blocks.0"]["shares_graph_with"] == 2
+    assert "backend=inductor" in plan["model.blocks.0"]["settings"]
+
+
+def test_train_with_csv_logger_and_trainer_overrides(tmp_path):
+    run_train(
+        tmp_path,
+        "compile=full",
+        "compile.backend=aot_eager",
+        "logger=csv",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.gradient_clip_val=1.0",
+        "save_checkpoint=true",
+    )
+    metrics = next(tmp_path.glob("csv/*/metrics.csv")).read_text()
+    assert "train/loss" in metrics.splitlines()[0]
+    assert "compile_plan" in next(tmp_path.glob("csv/*/hparams.yaml")).read_text()
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("compile=fastest", "Could not find 'compile/fastest'"),
+        ("compile.mode=turbo", "invalid mode 'turbo'. Valid modes"),
+        ("+compile.rules.0.class_name=Blok", "matches no module.*Block"),
+    ],
+)
+def test_bad_input_fails_before_training(tmp_path, override, message):
+    command = [sys.executable, "train.py", f"hydra.run.dir={tmp_path}", *TINY, override]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert re.search(message, result.stderr), result.stderr[-3000:]
+    assert "Epoch 0" not in result.stdout + result.stderr

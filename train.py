@@ -1,0 +1,18 @@
+"""Train a bundled recipe under a compile policy: ``python train.py compile=regional trainer.max_steps=50``."""
+
+import hydra
+from omegaconf import DictConfig
+
+from compile_trainer.configs import register_configs
+from compile_trainer.training import train
+
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()
