@@ -148,6 +148,8 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
 
     ``overrides`` are merged on top, e.g. ``to_policy("regional", backend="aot_eager")``.
     """
+    if isinstance(spec, CompilePolicy) and not overrides:
+        return validate_policy(spec)
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
