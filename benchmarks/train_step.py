@@ -44,6 +44,7 @@ VARIANTS = {
     "block_compile": ("raw", "block.compile() for each block"),
     "policy_full": ("raw", "policy full"),
     "policy_regional": ("raw", "policy regional"),
+    "policy_regional_lean": ("raw", "policy regional, no pointwise autotuning"),
     "policy_nested": ("raw", "policy regional, rest: nested"),
     "lightning_full": ("lightning", "policy full"),
     "lightning_regional": ("lightning", "policy regional"),
@@ -65,10 +66,10 @@ def policy_for(variant: str, backend: str):
     if variant.endswith("nested"):
         rules = [Rule(**rule) for rule in NESTED_RULES]
         return CompilePolicy(name="regional_nested", backend=backend, rules=rules)
-    if variant.endswith("regional"):
-        return CompilePolicy(
-            name="regional", backend=backend, rules=[Rule(name="*", action="regional", rest="compile")]
-        )
+    if variant.endswith("regional") or variant.endswith("regional_lean"):
+        options = {"triton.autotune_pointwise": False} if variant.endswith("lean") and backend == "inductor" else {}
+        rules = [Rule(name="*", action="regional", rest="compile")]
+        return CompilePolicy(name="regional", backend=backend, options=options, rules=rules)
     return CompilePolicy(name="full", backend=backend, rules=[Rule(name="*", action="full")])
 
 
@@ -182,7 +183,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     flops = measure_flops(module.model.to(device), batches[0].to(device), device.type == "cuda")
     windows = [(b[:, :-1], b[:, 1:]) for b in batches]
     loader = DataLoader(
-        [pair for pair in windows for _ in range(math.ceil((args.warmup + args.steps) / 8))],
+        [pair for _ in range(math.ceil((args.warmup + args.steps) / len(windows))) for pair in windows],
         batch_size=None,
         shuffle=False,
         pin_memory=device.type == "cuda",
@@ -218,7 +219,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
 
 
 def finish(first_step, step_time, window, args, config, device, flops, losses, window_steps=None) -> Dict[str, Any]:
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import calculate_time_spent, counters
 
     steps = window_steps or args.steps
     tokens = args.batch_size * config.block_size
@@ -232,6 +233,7 @@ def finish(first_step, step_time, window, args, config, device, flops, losses, w
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
         "losses": [float(loss) for loss in losses[:5]],
+        "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
     }
 
 
@@ -271,7 +273,8 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
         if "error" in result:
             rows.append(row | {"error": result["error"]})
             continue
-        row |= {k: v for k, v in result.items() if k not in ("losses", "process_s")}
+        row |= {k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s")}
+        row["compile_breakdown"] = result.get("compile_time_breakdown_s")
         if "tokens_per_s" in eager:
             row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
             row["loss_rel_diff_vs_eager"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], eager["losses"]))
