@@ -106,8 +106,12 @@ def explain(
 
         lightning_module, data = instantiate(cfg.recipe.module), instantiate(cfg.recipe.data)
     else:
-        factory = load_object(module, "module")
-        lightning_module = factory()
+        try:
+            lightning_module = load_object(module, "module")()
+        except TypeError as error:
+            raise ExplainError(
+                f"--module {module!r} cannot be made without arguments ({error}); name a function that returns it."
+            ) from error
         if not isinstance(lightning_module, pl.LightningModule):
             raise ExplainError(f"--module {module!r} gave a {type(lightning_module).__name__}, not a LightningModule.")
         data = load_object(datamodule, "datamodule")() if datamodule else None
