@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 APPLY_FILE = str(Path(__file__).resolve().parent / "apply.py")
-OUTSIDE_REGIONS = "(outside policy regions)"
+OUTSIDE_REGIONS = "outside_regions"
 EVENT_COLUMNS = ("kind", "region", "phase", "step", "compile_id", "reason", "location", "fix")
 
 
@@ -183,7 +183,6 @@ class _Compile:
     seconds: float = 0.0
     graphs: int = 0
     breaks: list = field(default_factory=list)
-    ended: bool = False
 
 
 def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List[str]]]:
@@ -298,7 +297,6 @@ class CompileTelemetry:
         record.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - record.graphs_before
         reasons = _graph_break_reasons()
         record.breaks = list(reasons[record.breaks_before :]) if len(reasons) >= record.breaks_before else []
-        record.ended = True
         self.compile_time_s += record.seconds
         if record.trigger == "DYNAMO":
             self._forward[record.compile_id] = record
@@ -320,9 +318,8 @@ class CompileTelemetry:
         """Process everything recorded since the last call; return the new events."""
         before = len(self.events)
         self._read_metrics()
-        for compile_id in list(self._forward):  # metrics dropped from Dynamo's bounded deque
-            if self._forward[compile_id].ended:
-                self._finish(self._forward.pop(compile_id), None)
+        for compile_id in list(self._forward):  # ended, but its metrics fell out of Dynamo's bounded deque
+            self._finish(self._forward.pop(compile_id), None)
         for record in self._backward:
             self._finish(record, None)
         self._backward.clear()
@@ -548,7 +545,7 @@ class CompileTelemetry:
     def format_report(self) -> str:
         """Regions, graph breaks and recompiles as fixed-width text."""
         lines = ["compile telemetry"]
-        header = ("region", "modules", "compiles", "recompiles", "graphs", "breaks", "compile s")
+        header = ("region", "modules", "compiles", "recompiles", "graphs", "breaks", "compile s", "of it recompiles")
         rows = [
             (
                 s.label,
@@ -558,6 +555,7 @@ class CompileTelemetry:
                 str(s.graphs),
                 str(s.graph_breaks),
                 f"{s.compile_time_s:.2f}",
+                f"{s.recompile_time_s:.2f}",
             )
             for s in self.regions.values()
         ]
