@@ -305,7 +305,7 @@ class CompileTelemetry:
 
     @staticmethod
     def _entry_on_stack() -> Optional[str]:
-        frame = sys._getframe(2)
+        frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code.co_name.startswith(ENTRY_PREFIX):
                 return frame.f_code.co_name
