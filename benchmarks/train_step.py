@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -45,11 +47,38 @@ VARIANTS = {
     "policy_full": ("raw", "policy full"),
     "policy_regional": ("raw", "policy regional"),
     "policy_regional_lean": ("raw", "policy regional, no pointwise autotuning"),
+    "policy_regional_cudagraphs": ("raw", "policy regional, mode reduce-overhead"),
     "policy_nested": ("raw", "policy regional, rest: nested"),
     "lightning_full": ("lightning", "policy full"),
     "lightning_regional": ("lightning", "policy regional"),
 }
 NESTED_RULES = [{"name": "*", "action": "regional", "rest": "nested"}]
+
+
+class SyncRecorder:
+    """Counts device synchronizations in the timed window (``torch.cuda.set_sync_debug_mode``), with where
+    they come from: a sync a step stops the host from running ahead and starves the GPU."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.sites: Dict[str, int] = {}
+
+    def start(self) -> None:
+        if self.enabled:
+            warnings.showwarning = self._record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        site = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:])
+        self.sites[site] = self.sites.get(site, 0) + 1
 
 
 def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.Tensor]:
@@ -70,6 +99,9 @@ def policy_for(variant: str, backend: str):
         options = {"triton.autotune_pointwise": False} if variant.endswith("lean") and backend == "inductor" else {}
         rules = [Rule(name="*", action="regional", rest="compile")]
         return CompilePolicy(name="regional", backend=backend, options=options, rules=rules)
+    if variant.endswith("regional_cudagraphs"):
+        rules = [Rule(name="*", action="regional", rest="compile")]
+        return CompilePolicy(name="regional", backend=backend, mode="reduce-overhead", rules=rules)
     return CompilePolicy(name="full", backend=backend, rules=[Rule(name="*", action="full")])
 
 
@@ -137,15 +169,18 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     for index in range(1, args.warmup):
         step(index)
     timer = StepTimer(device)
+    syncs = SyncRecorder(args.sync_debug)
     synchronize(device)
     window_start = time.perf_counter()
+    syncs.start()
     for index in range(args.warmup, args.warmup + args.steps):
         started = timer.start()
         step(index)
         timer.stop(started)
+    syncs.stop()
     synchronize(device)
     window = time.perf_counter() - window_start
-    return finish(first_step, timer.median(), window, args, config, device, flops, losses)
+    return finish(first_step, timer.median(), window, args, config, device, flops, losses) | {"syncs": syncs.sites}
 
 
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
@@ -160,11 +195,14 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.started: Any = None
             self.first_step = self.window = 0.0
             self.losses: List[torch.Tensor] = []
+            self.syncs = SyncRecorder(args.sync_debug)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx in (0, args.warmup):
                 synchronize(device)
                 self.wall = time.perf_counter()
+            if batch_idx == args.warmup:
+                self.syncs.start()
             self.started = self.timer.start() if batch_idx >= args.warmup else None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -175,6 +213,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
             if batch_idx == args.warmup + args.steps - 1:
+                self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
 
@@ -205,23 +244,14 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
-    return finish(
-        clock.first_step,
-        clock.timer.median(),
-        clock.window - 0.0,
-        args,
-        config,
-        device,
-        flops,
-        clock.losses,
-        window_steps=args.steps,
-    )
+    result = finish(clock.first_step, clock.timer.median(), clock.window, args, config, device, flops, clock.losses)
+    return result | {"syncs": clock.syncs.sites}
 
 
-def finish(first_step, step_time, window, args, config, device, flops, losses, window_steps=None) -> Dict[str, Any]:
+def finish(first_step, step_time, window, args, config, device, flops, losses) -> Dict[str, Any]:
     from torch._dynamo.utils import calculate_time_spent, counters
 
-    steps = window_steps or args.steps
+    steps = args.steps
     tokens = args.batch_size * config.block_size
     peak = peak_flops(device)
     return {
@@ -273,7 +303,10 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
         if "error" in result:
             rows.append(row | {"error": result["error"]})
             continue
-        row |= {k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s")}
+        row |= {
+            k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s", "syncs")
+        }
+        row["syncs_in_timed_steps"] = result.get("syncs")
         row["compile_breakdown"] = result.get("compile_time_breakdown_s")
         if "tokens_per_s" in eager:
             row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
@@ -313,6 +346,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
+    parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
