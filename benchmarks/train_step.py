@@ -360,7 +360,7 @@ def main() -> None:
         f"--warmup={args.warmup}",
         f"--batch-size={args.batch_size}",
         f"--backend={args.backend}",
-    ] + (["--smoke"] if args.smoke else [])
+    ] + [flag for flag, on in (("--smoke", args.smoke), ("--sync-debug", args.sync_debug)) if on]
     results: Dict[str, Dict[str, Any]] = {}
     for variant in args.variants:
         results[variant] = run_variant(variant, args)
