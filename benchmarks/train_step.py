@@ -13,9 +13,11 @@ CPU smoke run (tiny model, aot_eager backend), as CI runs it:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -47,7 +49,6 @@ VARIANTS = {
     "policy_full": ("raw", "policy full"),
     "policy_regional": ("raw", "policy regional"),
     "policy_regional_lean": ("raw", "policy regional, no pointwise autotuning"),
-    "policy_regional_cudagraphs": ("raw", "policy regional, mode reduce-overhead"),
     "policy_nested": ("raw", "policy regional, rest: nested"),
     "lightning_full": ("lightning", "policy full"),
     "lightning_regional": ("lightning", "policy regional"),
@@ -81,6 +82,33 @@ class SyncRecorder:
         self.sites[site] = self.sites.get(site, 0) + 1
 
 
+class HostProfile:
+    """cProfile over the timed steps: where the host spends its time when a loop cannot keep the GPU busy."""
+
+    def __init__(self, enabled: bool, steps: int):
+        self.profiler = cProfile.Profile() if enabled else None
+        self.steps = steps
+
+    def start(self) -> None:
+        if self.profiler:
+            self.profiler.enable()
+
+    def stop(self) -> None:
+        if self.profiler:
+            self.profiler.disable()
+
+    def top(self, count: int = 20) -> List[str]:
+        if not self.profiler:
+            return []
+        stats = pstats.Stats(self.profiler)
+        rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:count]  # by own time
+        return [
+            f"{own / self.steps * 1e3:7.3f} ms/step own, {cumulative / self.steps * 1e3:7.3f} cum: "
+            f"{Path(file).name}:{line} {name}"
+            for (file, line, name), (_, _, own, cumulative, _) in rows
+        ]
+
+
 def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.Tensor]:
     """Real text (the standard library's source) as byte tokens: ``count`` batches of ``block_size + 1``."""
     needed = count * batch_size * (config.block_size + 1)
@@ -99,9 +127,6 @@ def policy_for(variant: str, backend: str):
         options = {"triton.autotune_pointwise": False} if variant.endswith("lean") and backend == "inductor" else {}
         rules = [Rule(name="*", action="regional", rest="compile")]
         return CompilePolicy(name="regional", backend=backend, options=options, rules=rules)
-    if variant.endswith("regional_cudagraphs"):
-        rules = [Rule(name="*", action="regional", rest="compile")]
-        return CompilePolicy(name="regional", backend=backend, mode="reduce-overhead", rules=rules)
     return CompilePolicy(name="full", backend=backend, rules=[Rule(name="*", action="full")])
 
 
@@ -170,17 +195,21 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         step(index)
     timer = StepTimer(device)
     syncs = SyncRecorder(args.sync_debug)
+    host = HostProfile(args.host_profile, args.steps)
     synchronize(device)
     window_start = time.perf_counter()
     syncs.start()
+    host.start()
     for index in range(args.warmup, args.warmup + args.steps):
         started = timer.start()
         step(index)
         timer.stop(started)
+    host.stop()
     syncs.stop()
     synchronize(device)
     window = time.perf_counter() - window_start
-    return finish(first_step, timer.median(), window, args, config, device, flops, losses) | {"syncs": syncs.sites}
+    result = finish(first_step, timer.median(), window, args, config, device, flops, losses)
+    return result | {"syncs": syncs.sites, "host_profile": host.top()}
 
 
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
@@ -196,6 +225,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.first_step = self.window = 0.0
             self.losses: List[torch.Tensor] = []
             self.syncs = SyncRecorder(args.sync_debug)
+            self.host = HostProfile(args.host_profile, args.steps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx in (0, args.warmup):
@@ -203,6 +233,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 self.wall = time.perf_counter()
             if batch_idx == args.warmup:
                 self.syncs.start()
+                self.host.start()
             self.started = self.timer.start() if batch_idx >= args.warmup else None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -213,6 +244,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
             if batch_idx == args.warmup + args.steps - 1:
+                self.host.stop()
                 self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
@@ -245,7 +277,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
     result = finish(clock.first_step, clock.timer.median(), clock.window, args, config, device, flops, clock.losses)
-    return result | {"syncs": clock.syncs.sites}
+    return result | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
 def finish(first_step, step_time, window, args, config, device, flops, losses) -> Dict[str, Any]:
@@ -307,6 +339,7 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
             k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s", "syncs")
         }
         row["syncs_in_timed_steps"] = result.get("syncs")
+        row["host_profile"] = result.get("host_profile")
         row["compile_breakdown"] = result.get("compile_time_breakdown_s")
         if "tokens_per_s" in eager:
             row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
@@ -347,6 +380,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -360,7 +394,15 @@ def main() -> None:
         f"--warmup={args.warmup}",
         f"--batch-size={args.batch_size}",
         f"--backend={args.backend}",
-    ] + [flag for flag, on in (("--smoke", args.smoke), ("--sync-debug", args.sync_debug)) if on]
+    ] + [
+        flag
+        for flag, on in (
+            ("--smoke", args.smoke),
+            ("--sync-debug", args.sync_debug),
+            ("--host-profile", args.host_profile),
+        )
+        if on
+    ]
     results: Dict[str, Dict[str, Any]] = {}
     for variant in args.variants:
         results[variant] = run_variant(variant, args)
