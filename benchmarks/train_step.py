@@ -83,30 +83,44 @@ class SyncRecorder:
 
 
 class HostProfile:
-    """cProfile over the timed steps: where the host spends its time when a loop cannot keep the GPU busy."""
+    """Where time goes in the timed steps: cProfile of the host (``--host-profile``), or the device's kernels
+    by total time (``--kernel-profile``); for finding out why one loop keeps the GPU less busy than another."""
 
-    def __init__(self, enabled: bool, steps: int):
-        self.profiler = cProfile.Profile() if enabled else None
+    def __init__(self, host: bool, kernels: bool, steps: int):
+        self.cprofile = cProfile.Profile() if host else None
+        self.kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if kernels else None
         self.steps = steps
 
     def start(self) -> None:
-        if self.profiler:
-            self.profiler.enable()
+        if self.cprofile:
+            self.cprofile.enable()
+        if self.kernels:
+            self.kernels.__enter__()
 
     def stop(self) -> None:
-        if self.profiler:
-            self.profiler.disable()
+        if self.cprofile:
+            self.cprofile.disable()
+        if self.kernels:
+            self.kernels.__exit__(None, None, None)
 
     def top(self, count: int = 20) -> List[str]:
-        if not self.profiler:
-            return []
-        stats = pstats.Stats(self.profiler)
-        rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:count]  # by own time
-        return [
-            f"{own / self.steps * 1e3:7.3f} ms/step own, {cumulative / self.steps * 1e3:7.3f} cum: "
-            f"{Path(file).name}:{line} {name}"
-            for (file, line, name), (_, _, own, cumulative, _) in rows
-        ]
+        lines = []
+        if self.cprofile:
+            stats = pstats.Stats(self.cprofile)
+            rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:count]  # by own time
+            lines += [
+                f"{own / self.steps * 1e3:7.3f} ms/step own, {cumulative / self.steps * 1e3:7.3f} cum: "
+                f"{Path(file).name}:{line} {name}"
+                for (file, line, name), (_, _, own, cumulative, _) in rows
+            ]
+        if self.kernels:
+            events = [e for e in self.kernels.key_averages() if e.device_time_total > 0]
+            total = sum(e.device_time_total for e in events)
+            lines.append(f"device time {total / self.steps / 1e3:.3f} ms/step in {len(events)} kernels")
+            for event in sorted(events, key=lambda e: -e.device_time_total)[:count]:
+                per_step = event.device_time_total / self.steps / 1e3
+                lines.append(f"{per_step:7.3f} ms/step x{event.count // self.steps}: {event.key[:90]}")
+        return lines
 
 
 def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.Tensor]:
@@ -195,7 +209,7 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         step(index)
     timer = StepTimer(device)
     syncs = SyncRecorder(args.sync_debug)
-    host = HostProfile(args.host_profile, args.steps)
+    host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     synchronize(device)
     window_start = time.perf_counter()
     syncs.start()
@@ -225,7 +239,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.first_step = self.window = 0.0
             self.losses: List[torch.Tensor] = []
             self.syncs = SyncRecorder(args.sync_debug)
-            self.host = HostProfile(args.host_profile, args.steps)
+            self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx in (0, args.warmup):
@@ -381,6 +395,7 @@ def main() -> None:
     parser.add_argument("--variant-timeout", type=int, default=300)
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
+    parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -400,6 +415,7 @@ def main() -> None:
             ("--smoke", args.smoke),
             ("--sync-debug", args.sync_debug),
             ("--host-profile", args.host_profile),
+            ("--kernel-profile", args.kernel_profile),
         )
         if on
     ]
