@@ -6,13 +6,15 @@ Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,14 @@ class CompileCallback(pl.Callback):
         self.policy: CompilePolicy = to_policy(policy, **overrides)
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
+        self.optimizer_steps: List[CompiledOptimizerStep] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.optimizer_steps = compile_optimizers(
+            trainer.optimizers, self.policy.optimizer, self.policy.backend, lambda c: _log_choice(trainer, c)
+        )
+        if self.print_plan and self.optimizer_steps:
+            rank_zero_info(describe_steps(self.optimizer_steps))
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
             return  # a second fit() of the same model keeps the compiled regions
         self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
@@ -42,3 +50,9 @@ class CompileCallback(pl.Callback):
             rank_zero_info(format_plan_table(self.applied))
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+
+def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:
+    rank_zero_info(f"optimizer: {choice.describe()}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams({"optimizer_choice": dataclasses.asdict(choice)})
