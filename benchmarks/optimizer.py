@@ -45,6 +45,9 @@ class Result:
     variant: str
     step_ms_median: float = math.nan
     step_ms_mean: float = math.nan
+    host_ms_median: float = math.nan  # CPU time to issue a step
+    kernels_per_step: float = math.nan  # GPU only, from the profiler
+    gpu_kernel_ms_per_step: float = math.nan  # GPU only: time the GPU spends in the step's kernels
     bandwidth_gbs: float = math.nan
     first_steps_s: float = math.nan  # wall time of the steps that compile (and auto's trial)
     compile_s: float = 0.0  # Dynamo's entire_frame_compile_time_s over the variant's compiles
@@ -52,6 +55,7 @@ class Result:
     recompiles: int = 0
     graph_breaks: int = 0
     max_abs_diff_vs_foreach: float = math.nan
+    compile_phases_s: Dict[str, float] = field(default_factory=dict)
     details: Dict[str, Any] = field(default_factory=dict)
     error: Optional[str] = None
 
@@ -113,29 +117,63 @@ VARIANTS = (
 
 
 class StepTimer:
-    """Per-step times: CUDA events on a GPU (they include time the GPU waits for the CPU), wall clock on a CPU."""
+    """Per-step times: CUDA events on a GPU (they include time the GPU waits for the CPU), wall clock on a CPU.
+
+    ``host`` is the CPU time to issue each step (no synchronization): where it reaches the GPU time, the step is
+    bound by the CPU (guards, Python, kernel launches), not by memory bandwidth.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pairs: List[Tuple[Any, Any]] = []
+        self.host: List[float] = []
 
     def time(self, fn: Callable[[], Any]) -> None:
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            self.pairs.append((start, end))
-        else:
-            start = time.perf_counter()
-            fn()
-            self.pairs.append((start, time.perf_counter()))
+        on_gpu = self.device.type == "cuda"
+        start_event = torch.cuda.Event(enable_timing=True) if on_gpu else None
+        end_event = torch.cuda.Event(enable_timing=True) if on_gpu else None
+        if on_gpu:
+            start_event.record()
+        start = time.perf_counter()
+        fn()
+        end = time.perf_counter()
+        self.host.append(1000 * (end - start))
+        if on_gpu:
+            end_event.record()
+            self.pairs.append((start_event, end_event))
 
     def milliseconds(self) -> List[float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             return [start.elapsed_time(end) for start, end in self.pairs]
-        return [1000 * (end - start) for start, end in self.pairs]
+        return list(self.host)
+
+
+def profile_kernels(step: Callable[[], Any], scheduler: Any, steps: int = 20) -> Dict[str, float]:
+    """Kernels launched and GPU time spent in them per step (the profiler's device events)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+            scheduler.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "gpu_kernel_ms_per_step": sum(e.time_range.elapsed_us() for e in kernels) / steps / 1000,
+    }
+
+
+COMPILE_PHASES = {  # CompilationMetrics fields (microseconds) -> seconds in the report
+    "dynamo": "dynamo_cumulative_compile_time_us",
+    "aot_autograd": "aot_autograd_cumulative_compile_time_us",
+    "inductor": "inductor_cumulative_compile_time_us",
+    "inductor_code_gen": "inductor_code_gen_cumulative_compile_time_us",
+    "triton_compile": "triton_compile_time_us",
+    "runtime_triton_autotune": "runtime_triton_autotune_time_us",
+}
 
 
 def fresh_compile_caches():
@@ -165,7 +203,7 @@ def run_variant(
     for param, grad in zip(params, grads):
         param.grad = grad
     torch._dynamo.reset()
-    metrics_before = len(get_compilation_metrics())
+    seen_metrics = {id(m) for m in get_compilation_metrics()}
     breaks_before = sum(counters["graph_break"].values())
     with fresh_compile_caches():
         optimizer, scheduler, step = make_optimizer(variant, params, device, backend, steps)
@@ -176,10 +214,14 @@ def run_variant(
             timer.time(step)
             scheduler.step()
         times = timer.milliseconds()
-    compiles = list(get_compilation_metrics())[metrics_before:]
+        kernels = profile_kernels(step, scheduler) if device.type == "cuda" else {}
+    compiles = [m for m in get_compilation_metrics() if id(m) not in seen_metrics]
     steady = times[warmup:] or times
     result.step_ms_median = statistics.median(steady)
     result.step_ms_mean = statistics.fmean(steady)
+    result.host_ms_median = statistics.median(timer.host[warmup:] or timer.host)
+    result.kernels_per_step = kernels.get("kernels_per_step", math.nan)
+    result.gpu_kernel_ms_per_step = kernels.get("gpu_kernel_ms_per_step", math.nan)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     result.bandwidth_gbs = BYTES_PER_PARAM_BYTE * param_bytes / (result.step_ms_median / 1000) / 1e9
     result.first_steps_s = sum(times[:warmup]) / 1000
@@ -187,6 +229,9 @@ def run_variant(
     result.frames_compiled = len(compiles)
     result.recompiles = sum(1 for m in compiles if is_recompile(m))
     result.graph_breaks = sum(counters["graph_break"].values()) - breaks_before
+    result.compile_phases_s = {
+        phase: sum(getattr(m, name, None) or 0 for m in compiles) / 1e6 for phase, name in COMPILE_PHASES.items()
+    }
     if isinstance(compiled_step, CompiledOptimizerStep):
         result.details = {
             "compile_kwargs": {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None},
@@ -217,11 +262,12 @@ def copy_floor(param_bytes: int, device: torch.device) -> Dict[str, float]:
 
 def format_table(results: List[Result], header: str) -> str:
     fused = next((r.step_ms_median for r in results if r.variant == "fused" and r.error is None), math.nan)
-    titles = ["variant", "step ms", "GB/s", "vs fused", "first steps s", "compile s", "recompiles", "breaks", "max|d|"]
+    titles = ["variant", "step ms", "GB/s", "vs fused", "host ms", "GPU ms", "kernels", "first steps s", "compile s"]
+    titles += ["recompiles", "breaks", "max|d|"]
     rows = []
     for r in results:
         if r.error:
-            rows.append([r.variant, f"error: {r.error.splitlines()[-1][:80]}"] + [""] * 7)
+            rows.append([r.variant, f"error: {r.error.strip().splitlines()[-1][:80]}"] + [""] * (len(titles) - 2))
             continue
         rows.append(
             [
@@ -229,6 +275,9 @@ def format_table(results: List[Result], header: str) -> str:
                 f"{r.step_ms_median:.3f}",
                 f"{r.bandwidth_gbs:,.0f}",
                 f"{fused / r.step_ms_median:.2f}x",
+                f"{r.host_ms_median:.3f}",
+                f"{r.gpu_kernel_ms_per_step:.3f}",
+                f"{r.kernels_per_step:.0f}",
                 f"{r.first_steps_s:.2f}",
                 f"{r.compile_s:.2f}",
                 str(r.recompiles),
@@ -241,6 +290,9 @@ def format_table(results: List[Result], header: str) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     for r in results:
         choice = r.details.get("auto_choice")
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in r.compile_phases_s.items() if v)
+        if phases:
+            lines.append(f"{r.variant}: compile seconds by phase: {phases}")
         if choice:
             step_ms = {name: round(ms, 3) for name, ms in choice["step_ms"].items()}
             lines.append(f"{r.variant}: chose {choice['chosen']}; trial step ms {step_ms}; skipped {choice['skipped']}")

@@ -53,36 +53,42 @@ def _adam_update(groups: List[TensorLists], hyper: Tensor, flags: Tuple[Tuple[bo
     for (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), row, (amsgrad, maximize, decoupled) in zip(
         groups, hyper, flags
     ):
+        if not params:
+            continue
         lr, beta1, beta2, eps, weight_decay = row.unbind()
+        # Scalars once per group, not per parameter: a smaller graph compiles faster.
         torch._foreach_add_(steps, 1)
+        step_counts = torch.stack(steps).to(hyper.dtype)
+        step_sizes = lr / (1 - beta1**step_counts)
+        bias_correction2_sqrts = (1 - beta2**step_counts).sqrt()
+        decay, avg_weight, sq_weight = 1 - lr * weight_decay, 1 - beta1, 1 - beta2
         for i, param in enumerate(params):
             grad = -grads[i] if maximize else grads[i]
             if decoupled:
-                param.mul_(1 - lr * weight_decay)
+                param.mul_(decay)
             else:
                 grad = grad + weight_decay * param
             exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
-            exp_avg.lerp_(grad, (1 - beta1).to(param.dtype))
-            exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
-            bias_correction1 = 1 - beta1 ** steps[i]
-            bias_correction2_sqrt = (1 - beta2 ** steps[i]).sqrt()
+            exp_avg.lerp_(grad, avg_weight)
+            exp_avg_sq.mul_(beta2).add_(sq_weight * grad * grad)
             if amsgrad:
                 max_exp_avg_sqs[i].copy_(torch.maximum(max_exp_avg_sqs[i], exp_avg_sq))
                 exp_avg_sq = max_exp_avg_sqs[i]
-            denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-            param.sub_(exp_avg / denom * (lr / bias_correction1))
+            denom = exp_avg_sq.sqrt() / bias_correction2_sqrts[i] + eps
+            param.sub_(exp_avg / denom * step_sizes[i])
 
 
 def _sgd_update(groups: List[TensorLists], hyper: Tensor, flags: Tuple[Tuple[bool, bool, bool], ...]) -> None:
     """SGD (with momentum, dampening, Nesterov) for every parameter, as torch's single-tensor implementation."""
     for (params, grads, momentum_buffers), row, (has_momentum, nesterov, maximize) in zip(groups, hyper, flags):
         lr, momentum, dampening, weight_decay = row.unbind()
+        grad_weight = 1 - dampening
         for i, param in enumerate(params):
             grad = -grads[i] if maximize else grads[i]
             grad = grad + weight_decay * param
             if has_momentum:
                 buf = momentum_buffers[i]
-                buf.mul_(momentum).add_((1 - dampening) * grad)
+                buf.mul_(momentum).add_(grad_weight * grad)
                 grad = grad + momentum * buf if nesterov else buf
             param.sub_(lr * grad)
 
@@ -325,7 +331,7 @@ class CompiledOptimizerStep:
         if self.algorithm is not ADAM:
             return
         for group in self.optimizer.param_groups:
-            if self.device.type != "cpu" and not group.get("fused"):
+            if self.device.type != "cpu":
                 group["capturable"] = True  # so an eager step (auto's candidates, a resumed run) keeps them there
             for param in group["params"]:
                 state = self.optimizer.state.get(param)

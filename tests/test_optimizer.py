@@ -2,11 +2,14 @@
 and the closure / accumulation / clipping / mixed-precision / manual-optimization paths in a real Trainer."""
 
 import io
+import json
 import math
 
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 
@@ -173,6 +176,27 @@ def test_state_dict_resumes_both_ways_with_identical_updates(saved_by):
     assert_same_params(*resumed)
 
 
+def test_grad_scaler_unscales_and_skips_overflowing_steps_as_with_eager():
+    """The fp16 mixed-precision path: GradScaler.step(optimizer) without a closure."""
+    models, steps = [], []
+    for compiled in (False, True):
+        model = tiny_model()
+        optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        if compiled:
+            steps.append(compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager"}))
+        for index in range(6):
+            optimizer.zero_grad()
+            inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(index))
+            loss = model(inputs).pow(2).mean() * (math.inf if index == 3 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        models.append(model)
+    assert_same_params(*models)
+    assert (steps[0].eager_steps, steps[0].compiled_steps) == (1, 4), "the overflowing step was skipped"
+
+
 def test_auto_times_candidates_keeps_the_fastest_and_updates_stay_equal():
     eager = tiny_model()
     optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
@@ -263,9 +287,9 @@ def fit(policy=None, module_class=LanguageModel, steps=4, ckpt_path=None, **trai
     pl.seed_everything(0)
     module = module_class(model=vars(TINY_GPT) | {"block_size": 32, "vocab_size": 256}, warmup_steps=2, decay_steps=8)
     callback = CompileCallback(policy, print_plan=False) if policy else None
+    trainer_args.setdefault("logger", False)
     trainer = pl.Trainer(
         max_steps=steps,
-        logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -309,7 +333,32 @@ def test_lightning_resumes_an_eager_checkpoint_with_the_compiled_step(tmp_path):
     assert callback.optimizer_steps[0].compiled_steps == 3, "the restored state needs no eager first step"
 
 
+def test_lightning_auto_logs_its_choice(tmp_path):
+    auto = {"compile": "auto", "auto_candidates": ["foreach", "compiled"], "auto_steps": 1}
+    policy = {**OPTIMIZER_ONLY, "optimizer": auto}
+    trainer, _, callback = fit(policy, steps=6, logger=CSVLogger(tmp_path))
+    choice = callback.optimizer_steps[0].choice
+    assert choice is not None and set(choice.step_ms) == {"foreach", "compiled"}
+    hparams = yaml.safe_load(next(tmp_path.glob("**/hparams.yaml")).read_text())
+    assert hparams["optimizer_choice"]["chosen"] == choice.chosen
+    assert hparams["compile_policy"]["optimizer"]["compile"] == "auto"
+
+
 def test_lightning_unsupported_optimizer_fails_before_training():
     with pytest.raises(PolicyError, match="supported optimizers are Adam, AdamW, SGD"):
         fit(OPTIMIZER_ONLY, module_class=RMSpropLanguageModel)
     assert RMSpropLanguageModel.training_steps == 0
+
+
+def test_benchmark_smoke_runs_on_cpu(tmp_path):
+    from benchmarks.optimizer import main
+
+    report = main(["--smoke", "--out", str(tmp_path / "optimizer.json")])
+    assert json.loads((tmp_path / "optimizer.json").read_text())["steps"] == 20
+    results = {r["variant"]: r for r in report["results"]}
+    assert set(results) == {"foreach", "fused", "torch.compile(opt.step)", "compile_trainer", "compile_trainer auto"}
+    assert all(r["error"] is None for r in results.values()), [r["error"] for r in results.values()]
+    ours = results["compile_trainer"]
+    assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["max_abs_diff_vs_foreach"] < 1e-5
+    assert ours["details"]["compiled_steps"] == 19 and ours["step_ms_median"] > 0
+    assert results["compile_trainer auto"]["details"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}
