@@ -382,20 +382,34 @@ class _AutoTrial:
         owner = self.owner
         _synchronize(owner.device)
         start = time.perf_counter()
-        if name == "compiled":
-            owner.compiled_update(groups)
+        try:
+            if name == "compiled":
+                owner.compiled_update(groups)
+            else:
+                owner.set_eager_flags(name)
+                type(owner.optimizer).step(owner.optimizer)
+        except Exception as error:  # a compile that fails leaves the other candidates to choose from
+            if name != "compiled" or timed or len(self.seconds) == 1:
+                raise
+            self._drop_compiled(error)
+            owner.eager_step()
         else:
-            owner.set_eager_flags(name)
-            type(owner.optimizer).step(owner.optimizer)
-        _synchronize(owner.device)
-        if timed:
-            self.seconds[name].append(time.perf_counter() - start)
+            _synchronize(owner.device)
+            if timed:
+                self.seconds[name].append(time.perf_counter() - start)
         if not self.schedule:
             step_ms = {name: 1000 * statistics.median(times) for name, times in self.seconds.items()}
             chosen = min(step_ms, key=step_ms.__getitem__)
             owner.choose(
                 OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
             )
+
+    def _drop_compiled(self, error: Exception) -> None:
+        message = " ".join(str(error).split())[:300]
+        self.skipped["compiled"] = f"compile failed: {type(error).__name__}: {message}"
+        log.warning("optimizer %s: auto: %s", type(self.owner.optimizer).__name__, self.skipped["compiled"])
+        del self.seconds["compiled"]
+        self.schedule = [entry for entry in self.schedule if entry[0] != "compiled"]
 
 
 def compile_optimizer(

@@ -4,18 +4,24 @@ and the closure / accumulation / clipping / mixed-precision / manual-optimizatio
 import io
 import json
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch._dynamo import register_backend
 from torch._dynamo.utils import counters, get_compilation_metrics
 
 from compile_trainer import CompileCallback, PolicyError, to_policy
+from compile_trainer.configs import register_configs
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer
 from compile_trainer.policy import OptimizerPolicy
+from compile_trainer.training import build_callback
 from recipes.data import StdlibTextDataModule
 from recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT
@@ -234,6 +240,28 @@ def test_auto_with_one_eager_candidate_restores_the_optimizer_step():
     assert optimizer.param_groups[0]["foreach"] is True and step.compiled_steps == 0
 
 
+@register_backend
+def failing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_auto_drops_a_compiled_candidate_that_fails_to_compile():
+    eager, model = tiny_model(), tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
+    train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 8)
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    policy = {"compile": "auto", "auto_candidates": ["compiled", "foreach"], "backend": "failing_backend"}
+    step = compile_optimizer(optimizer, policy)
+    train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 8)
+    assert step.choice.chosen == "foreach" and set(step.choice.step_ms) == {"foreach"}
+    assert "compile failed" in step.choice.skipped["compiled"] and "cannot compile anything" in step.choice.describe()
+    assert_same_params(eager, model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compile_optimizer(sgd, {"compile": "true", "backend": "failing_backend"})
+    with pytest.raises(Exception, match="cannot compile anything"):  # compile: true has no fallback
+        train(model, sgd, None, 2)
+
+
 def test_unsupported_optimizers_and_bad_settings_are_clear_errors():
     model = tiny_model()
     with pytest.raises(PolicyError, match=r"cannot compile torch.optim.rmsprop.RMSprop: supported .*Adam, AdamW, SGD"):
@@ -249,6 +277,17 @@ def test_unsupported_optimizers_and_bad_settings_are_clear_errors():
         to_policy({"enabled": False, "optimizer": {"mode": "turbo"}})
     assert to_policy({"enabled": False, "optimizer": {"compile": True}}).optimizer.compile == "true"
     assert isinstance(to_policy("regional").optimizer, OptimizerPolicy)
+
+
+def test_optimizer_section_composes_through_hydra():
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException, match="compil"):
+            compose("config", overrides=["compile.optimizer.compil=true"])
+        overrides = ["compile.optimizer.compile=true", "compile.optimizer.auto_candidates=[foreach,compiled]"]
+        cfg = compose("config", overrides=overrides)
+    policy = build_callback(cfg).policy.optimizer
+    assert policy.compile == "true" and policy.auto_candidates == ["foreach", "compiled"] and policy.fullgraph
 
 
 # ---- in a real Lightning Trainer ----
