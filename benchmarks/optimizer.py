@@ -214,7 +214,12 @@ def run_variant(
             timer.time(step)
             scheduler.step()
         times = timer.milliseconds()
-        kernels = profile_kernels(step, scheduler) if device.type == "cuda" else {}
+        kernels = {}
+        if device.type == "cuda":
+            try:
+                kernels = profile_kernels(step, scheduler)
+            except Exception as error:  # the timings above still count
+                result.details["profile_error"] = repr(error)
     compiles = [m for m in get_compilation_metrics() if id(m) not in seen_metrics]
     steady = times[warmup:] or times
     result.step_ms_median = statistics.median(steady)
@@ -233,7 +238,7 @@ def run_variant(
         phase: sum(getattr(m, name, None) or 0 for m in compiles) / 1e6 for phase, name in COMPILE_PHASES.items()
     }
     if isinstance(compiled_step, CompiledOptimizerStep):
-        result.details = {
+        result.details |= {
             "compile_kwargs": {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None},
             "compiled_steps": compiled_step.compiled_steps,
             "eager_steps": compiled_step.eager_steps,

@@ -225,9 +225,12 @@ class CompiledOptimizerStep:
         backend = policy.backend or backend
         settings = CompileSettings(backend, policy.mode, policy.fullgraph, False, dict(policy.options))
         self.compile_kwargs, self.notes = compile_kwargs(settings, self.device)
-        self.entry_name = f"{ENTRY_PREFIX}{type(optimizer).__name__}"
-        self._compiled = torch.compile(_entry_function(self.algorithm.update, optimizer), **self.compile_kwargs)
-        self.hyper = torch.zeros(0, device=self.device, dtype=torch.float64)
+        entry = _entry_function(self.algorithm.update, optimizer)
+        self.entry_name = entry.__name__  # the code name Dynamo's compilation metrics report
+        self._compiled = torch.compile(entry, **self.compile_kwargs)
+        # float64 keeps bias corrections as exact as torch's Python-float path; MPS has no float64.
+        self._hyper_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.hyper = torch.zeros(0, device=self.device, dtype=self._hyper_dtype)
         self._hyper_values: Optional[List[List[float]]] = None
         self._prepared: Optional[Tuple[List[List[int]], List[List[List[Optional[Tensor]]]]]] = None
         self.compiled_steps = 0
@@ -291,9 +294,9 @@ class CompiledOptimizerStep:
         values = [self.algorithm.hyper(group) for group in groups]
         if values != self._hyper_values:
             if self.hyper.shape[0] != len(values):
-                self.hyper = torch.zeros(len(values), len(values[0]), device=self.device, dtype=torch.float64)
+                self.hyper = torch.zeros(len(values), len(values[0]), device=self.device, dtype=self._hyper_dtype)
                 torch._dynamo.mark_static_address(self.hyper, guard=False)
-            self.hyper.copy_(torch.tensor(values, dtype=torch.float64), non_blocking=True)
+            self.hyper.copy_(torch.tensor(values, dtype=self._hyper_dtype), non_blocking=True)
             self._hyper_values = values
         return tuple(self.algorithm.flags(self.optimizer, group) for group in groups)
 
