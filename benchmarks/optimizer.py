@@ -279,7 +279,7 @@ def format_table(results: List[Result], header: str) -> str:
                 r.variant,
                 f"{r.step_ms_median:.3f}",
                 f"{r.bandwidth_gbs:,.0f}",
-                f"{fused / r.step_ms_median:.2f}x",
+                f"{fused / r.step_ms_median:.2f}x" if not math.isnan(fused) else "-",
                 f"{r.host_ms_median:.3f}",
                 f"{r.gpu_kernel_ms_per_step:.3f}",
                 f"{r.kernels_per_step:.0f}",
