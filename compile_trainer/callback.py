@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
 
@@ -28,14 +29,22 @@ class CompileCallback(pl.Callback):
             bundled policy (``none``, ``full``, ``regional``, ...). Validated here, so a bad
             policy fails when the callback is made.
         print_plan: print the plan table at fit start.
+        telemetry: compile and throughput telemetry: ``True`` (default), ``False``, or a
+            ``TelemetryConfig`` / dict of its fields (see ``compile_trainer.fit_telemetry``).
         **overrides: fields merged over ``policy``, e.g. ``backend="aot_eager"``.
     """
 
-    def __init__(self, policy: Any = "regional", print_plan: bool = True, **overrides: Any):
+    def __init__(self, policy: Any = "regional", print_plan: bool = True, telemetry: Any = True, **overrides: Any):
         self.policy: CompilePolicy = to_policy(policy, **overrides)
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
         self.optimizer_steps: List[CompiledOptimizerStep] = []
+        config = to_telemetry_config(telemetry)
+        self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
+
+    def summary(self) -> Dict[str, Any]:
+        """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
+        return self.telemetry.summary() if self.telemetry is not None else {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.optimizer_steps = compile_optimizers(
@@ -44,12 +53,38 @@ class CompileCallback(pl.Callback):
         if self.print_plan and self.optimizer_steps:
             rank_zero_info(describe_steps(self.optimizer_steps))
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
-            return  # a second fit() of the same model keeps the compiled regions
+            if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
+                self.telemetry.start(trainer, pl_module, self.applied)
+            return
+        if self.telemetry is not None:
+            self.telemetry.before_policy(pl_module)
         self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
+        if self.telemetry is not None:
+            self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             rank_zero_info(format_plan_table(self.applied))
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self.telemetry is not None:
+            self.telemetry.on_train_batch_start(trainer, batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.telemetry is not None:
+            self.telemetry.on_train_batch_end(trainer, batch)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.telemetry is not None:
+            self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.telemetry is not None:
+            self.telemetry.finish(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
 
 
 def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:
