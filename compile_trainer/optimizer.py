@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
 import types
 from dataclasses import dataclass, field
@@ -39,12 +38,11 @@ from torch.optim.optimizer import (
     _global_optimizer_pre_hooks,
 )
 
-from compile_trainer.apply import compile_kwargs
+from compile_trainer.apply import ENTRY_PREFIX, compile_kwargs
 from compile_trainer.policy import CompileSettings, OptimizerPolicy, PolicyError, validate_optimizer_policy
 
 log = logging.getLogger(__name__)
 
-ENTRY_PREFIX = "compiled_optimizer_step__"
 TensorLists = List[List[Tensor]]
 
 
@@ -166,7 +164,7 @@ class OptimizerChoice:
     """What ``compile: auto`` measured and chose."""
 
     chosen: str
-    step_ms: Dict[str, float]  # median timed step per candidate
+    step_ms: Dict[str, float]  # fastest timed step per candidate
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     device: str = "cpu"
     timed_steps: int = 0
@@ -174,7 +172,7 @@ class OptimizerChoice:
     def describe(self) -> str:
         others = ", ".join(f"{n} {ms:.3f} ms" for n, ms in self.step_ms.items() if n != self.chosen)
         text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step"
-        text += f"{' vs ' + others if others else ''}; median of {self.timed_steps} timed steps each on {self.device})"
+        text += f"{' vs ' + others if others else ''}; best of {self.timed_steps} timed steps each on {self.device})"
         return text + "".join(f"; {name} skipped: {why}" for name, why in self.skipped.items())
 
 
@@ -202,8 +200,12 @@ def fused_unavailable_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
 
 
 def _entry_function(update: Callable[..., None], optimizer: torch.optim.Optimizer) -> types.FunctionType:
-    """A copy of ``update`` with its own code object: its own Dynamo cache, and a name that metrics report."""
-    name = f"{ENTRY_PREFIX}{type(optimizer).__name__}"
+    """A copy of ``update`` with its own code object: its own Dynamo cache, and a name that metrics report.
+
+    Named like the regions' entries (``compiled_region__optimizer_step_AdamW``), so the compile telemetry
+    attributes its compiles and recompiles to an ``optimizer_step_AdamW`` row.
+    """
+    name = f"{ENTRY_PREFIX}optimizer_step_{type(optimizer).__name__}"
     code = update.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, update.__globals__, name)
 
@@ -401,7 +403,8 @@ class _AutoTrial:
             if timed:
                 self.seconds[name].append(time.perf_counter() - start)
         if not self.schedule:
-            step_ms = {name: 1000 * statistics.median(times) for name, times in self.seconds.items()}
+            # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
+            step_ms = {name: 1000 * min(times) for name, times in self.seconds.items()}
             chosen = min(step_ms, key=step_ms.__getitem__)
             owner.choose(
                 OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
