@@ -13,8 +13,8 @@
   ``fused=True`` keep them), which on a GPU also marks the groups ``capturable``;
 - the update is written per parameter, not with ``_foreach`` ops: Inductor then fuses each parameter's
   whole update into one kernel that reads param, grad and state once and writes them once (7 tensor passes
-  for AdamW), and kernels of equal size share one compiled source. Inductor's foreach kernels are not
-  autotuned; see docs/optimizer.md.
+  for AdamW), autotuned like any pointwise kernel (Inductor's foreach kernels are not), and kernels with
+  the same source are compiled once; see docs/optimizer.md.
 
 ``compile: auto`` times the candidates (``fused``, ``foreach``, ``compiled``) on the real parameters during
 the first steps, keeps the fastest, and reports an ``OptimizerChoice``.
