@@ -6,14 +6,16 @@ Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
+from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class CompileCallback(pl.Callback):
         self.policy: CompilePolicy = to_policy(policy, **overrides)
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
+        self.optimizer_steps: List[CompiledOptimizerStep] = []
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
@@ -44,6 +47,11 @@ class CompileCallback(pl.Callback):
         return self.telemetry.summary() if self.telemetry is not None else {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.optimizer_steps = compile_optimizers(
+            trainer.optimizers, self.policy.optimizer, self.policy.backend, lambda c: _log_choice(trainer, c)
+        )
+        if self.print_plan and self.optimizer_steps:
+            rank_zero_info(describe_steps(self.optimizer_steps))
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
             if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
                 self.telemetry.start(trainer, pl_module, self.applied)
@@ -77,3 +85,9 @@ class CompileCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.telemetry is not None:
             self.telemetry.stop()
+
+
+def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:
+    rank_zero_info(f"optimizer: {choice.describe()}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams({"optimizer_choice": dataclasses.asdict(choice)})
