@@ -267,11 +267,13 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     batches = make_batches(config, args.batch_size, 8)
     flops = measure_flops(module.model.to(device), batches[0].to(device), device.type == "cuda")
     windows = [(b[:, :-1], b[:, 1:]) for b in batches]
+    if args.lightning_data == "device":  # already on the GPU: no pinning thread, no host-to-device copy
+        windows = [(x.to(device), y.to(device)) for x, y in windows]
     loader = DataLoader(
         [pair for _ in range(math.ceil((args.warmup + args.steps) / len(windows))) for pair in windows],
         batch_size=None,
         shuffle=False,
-        pin_memory=device.type == "cuda",
+        pin_memory=device.type == "cuda" and args.lightning_data == "pinned",
     )
     clock = StepClock()
     policy = policy_for(variant, args.backend)
@@ -396,6 +398,12 @@ def main() -> None:
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
     parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
+    parser.add_argument(
+        "--lightning-data",
+        choices=["pinned", "pageable", "device"],
+        default="pinned",
+        help="how the Lightning loop's batches arrive: a pinned-memory DataLoader, pageable, or already on the GPU",
+    )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -409,6 +417,7 @@ def main() -> None:
         f"--warmup={args.warmup}",
         f"--batch-size={args.batch_size}",
         f"--backend={args.backend}",
+        f"--lightning-data={args.lightning_data}",
     ] + [
         flag
         for flag, on in (
