@@ -1,7 +1,7 @@
 """``CompileCallback``: applies a compile policy to a LightningModule inside a Lightning Trainer.
 
 It only wires the library's parts to Lightning's hooks; everything it does can be called without
-Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``).
+Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``, ``BatchShaper``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
+from compile_trainer.shapes import describe_shapes
+from compile_trainer.warmup import ShapeHooks
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class CompileCallback(pl.Callback):
         self.policy: CompilePolicy = to_policy(policy, **overrides)
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
+        self.shape_hooks: Optional[ShapeHooks] = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
@@ -42,3 +45,20 @@ class CompileCallback(pl.Callback):
             rank_zero_info(format_plan_table(self.applied))
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.policy.shapes.active:
+            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes)
+            if self.print_plan:
+                rank_zero_info(describe_shapes(self.policy.shapes))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._remove_shape_hooks()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_shape_hooks()
+
+    def _remove_shape_hooks(self) -> None:
+        if self.shape_hooks is not None:
+            self.shape_hooks.remove()
+            self.shape_hooks = None
