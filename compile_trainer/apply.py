@@ -23,6 +23,7 @@ from compile_trainer.selection import CompilePlan, Region, resolve_plan
 APPLIED_ATTR = "_compile_trainer_applied"
 CPU_FALLBACK_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ENTRY_PREFIX = "compiled_region__"
+NESTED_BACKENDS = ("aot_eager", "inductor")
 
 
 @dataclass
@@ -43,6 +44,8 @@ class AppliedPolicy:
     plan: CompilePlan
     compiled: List[CompiledRegion] = field(default_factory=list)
     eager_inside: List[str] = field(default_factory=list)
+    # block class -> its own ``forward`` before it was marked as a nested compile region (None: inherited)
+    nested_classes: Dict[type, Optional[Callable[..., Any]]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
     _root: Optional[nn.Module] = None
 
@@ -56,17 +59,25 @@ class AppliedPolicy:
     def rows(self) -> List[Dict[str, Any]]:
         """The plan as table rows: one per selected module."""
         shared = self.shared_counts()
-        rows = [
-            {
-                "module": c.region.name,
-                "class": c.region.class_name,
-                "action": {"full": "full", "block": "regional block", "rest": "regional rest"}[c.region.role],
-                "rule": c.region.rule_index,
-                "settings": _describe_kwargs(c.compile_kwargs),
-                "shares_graph_with": shared[c.entry_name],
-            }
-            for c in self.compiled
-        ]
+        actions = {"full": "full", "block": "regional block", "rest": "regional rest", "nested": "full, nested blocks"}
+        rows = []
+        for c in self.compiled:
+            settings = _describe_kwargs(c.compile_kwargs)
+            rows.append(
+                {
+                    "module": c.region.name,
+                    "class": c.region.class_name,
+                    "action": actions[c.region.role],
+                    "rule": c.region.rule_index,
+                    "settings": settings,
+                    "shares_graph_with": shared[c.entry_name],
+                }
+            )
+            blocks = [self._root.get_submodule(b) for b in c.region.nested_blocks] if self._root is not None else []
+            for name, block in zip(c.region.nested_blocks, blocks):
+                same_class = sum(type(other) is type(block) for other in blocks)
+                row = {"module": name, "class": type(block).__name__, "action": "nested block", "shares_graph_with": 0}
+                rows.append(row | {"rule": c.region.rule_index, "settings": settings, "shares_graph_with": same_class})
         for name, rule_index in self.plan.eager.items():
             inside = name in self.eager_inside
             rows.append(
@@ -85,6 +96,11 @@ class AppliedPolicy:
         """Restore every module to plain eager execution."""
         for item in self.compiled:
             item.region.module._compiled_call_impl = None
+        for cls, forward in self.nested_classes.items():
+            if forward is None:
+                delattr(cls, "forward")
+            else:
+                cls.forward = forward
         if self._root is not None:
             for name in self.eager_inside:
                 self._root.get_submodule(name).__dict__.pop("forward", None)
@@ -158,6 +174,34 @@ def _counting_call(item: CompiledRegion, compiled: Callable[..., Any]) -> Callab
     return call
 
 
+def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device) -> None:
+    where = f"{region.name!r} (rule {region.rule_index}, rest: nested)"
+    if not hasattr(torch.compiler, "nested_compile_region"):
+        raise PolicyError(
+            f"{where} needs torch >= 2.8 (torch.compiler.nested_compile_region); this is {torch.__version__}."
+        )
+    if kwargs["backend"] not in NESTED_BACKENDS:
+        raise PolicyError(f"{where} needs an AOT backend ({', '.join(NESTED_BACKENDS)}), not {kwargs['backend']!r}.")
+    if kwargs["backend"] == "inductor" and device.type == "cpu":
+        raise PolicyError(
+            f"{where}: Inductor on the CPU computed wrong gradients for nested compile regions (seen on torch 2.13); "
+            "use rest: compile, or backend aot_eager on the CPU."
+        )
+
+
+def _mark_nested_blocks(applied: AppliedPolicy, root: nn.Module, region: Region) -> None:
+    """Mark each block class's ``forward`` as a nested compile region (a no-op in eager execution).
+
+    The mark must sit on the class's function: marking a per-instance bound method makes Dynamo reuse
+    the first block's parameters for every block (wrong results, seen on torch 2.13).
+    """
+    for cls in {type(root.get_submodule(name)) for name in region.nested_blocks}:
+        if cls in applied.nested_classes or hasattr(cls.forward, "__marked_compile_region_fn__"):
+            continue
+        applied.nested_classes[cls] = cls.__dict__.get("forward")
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+
+
 def model_device(module: nn.Module) -> torch.device:
     tensor = next(module.parameters(), None)
     if tensor is None:
@@ -182,10 +226,15 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     if not policy.enabled:
         setattr(root, APPLIED_ATTR, applied)
         return applied
-    torch._dynamo.config.recompile_limit = policy.recompile_limit
-    for region in plan.regions:
+    planned = []
+    for region in plan.regions:  # every check before anything is compiled
         kwargs, notes = compile_kwargs(region.settings, device)
         applied.notes += [f"{region.name}: {note}" for note in notes if note not in applied.notes]
+        if region.role == "nested":
+            _check_nested(region, kwargs, device)
+        planned.append((region, kwargs))
+    torch._dynamo.config.recompile_limit = policy.recompile_limit
+    for region, kwargs in planned:
         # Blocks of one class share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
         key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
@@ -194,6 +243,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         compiled = torch.compile(types.MethodType(entry, region.module), **kwargs)
         region.module._compiled_call_impl = _counting_call(item, compiled)
         applied.compiled.append(item)
+        if region.role == "nested":
+            _mark_nested_blocks(applied, root, region)
     for name in plan.eager:
         if plan.enclosing_region(name) is not None:
             module = root.get_submodule(name)

@@ -7,12 +7,13 @@ Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``, ``BatchShaper
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
 from compile_trainer.shapes import describe_shapes
 from compile_trainer.warmup import ShapeHooks
@@ -28,19 +29,33 @@ class CompileCallback(pl.Callback):
             bundled policy (``none``, ``full``, ``regional``, ...). Validated here, so a bad
             policy fails when the callback is made.
         print_plan: print the plan table at fit start.
+        telemetry: compile and throughput telemetry: ``True`` (default), ``False``, or a
+            ``TelemetryConfig`` / dict of its fields (see ``compile_trainer.fit_telemetry``).
         **overrides: fields merged over ``policy``, e.g. ``backend="aot_eager"``.
     """
 
-    def __init__(self, policy: Any = "regional", print_plan: bool = True, **overrides: Any):
+    def __init__(self, policy: Any = "regional", print_plan: bool = True, telemetry: Any = True, **overrides: Any):
         self.policy: CompilePolicy = to_policy(policy, **overrides)
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
         self.shape_hooks: Optional[ShapeHooks] = None
+        config = to_telemetry_config(telemetry)
+        self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
+
+    def summary(self) -> Dict[str, Any]:
+        """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
+        return self.telemetry.summary() if self.telemetry is not None else {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
-            return  # a second fit() of the same model keeps the compiled regions
+            if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
+                self.telemetry.start(trainer, pl_module, self.applied)
+            return
+        if self.telemetry is not None:
+            self.telemetry.before_policy(pl_module)
         self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
+        if self.telemetry is not None:
+            self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             rank_zero_info(format_plan_table(self.applied))
         for logger in trainer.loggers:
@@ -52,9 +67,6 @@ class CompileCallback(pl.Callback):
             if self.print_plan:
                 rank_zero_info(describe_shapes(self.policy.shapes))
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_shape_hooks()
-
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_shape_hooks()
 
@@ -62,3 +74,24 @@ class CompileCallback(pl.Callback):
         if self.shape_hooks is not None:
             self.shape_hooks.remove()
             self.shape_hooks = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self.telemetry is not None:
+            self.telemetry.on_train_batch_start(trainer, batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.telemetry is not None:
+            self.telemetry.on_train_batch_end(trainer, batch)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.telemetry is not None:
+            self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.telemetry is not None:
+            self.telemetry.finish(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
+        self._remove_shape_hooks()

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 from hydra.core.config_store import ConfigStore
 
+from compile_trainer.fit_telemetry import TelemetryConfig
 from compile_trainer.policy import CompilePolicy
 
 # Passed in code, not from the config.
@@ -37,3 +38,4 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(group="compile", name="schema", node=CompilePolicy)
     store.store(group="trainer", name="schema", node=trainer_schema())
+    store.store(group="telemetry", name="schema", node=TelemetryConfig)

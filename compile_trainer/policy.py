@@ -19,7 +19,7 @@ import torch
 from compile_trainer.shapes import ShapesPolicy, shape_policy_problems
 
 ACTIONS = ("full", "regional", "eager")
-REST_ACTIONS = ("eager", "compile")
+REST_ACTIONS = ("eager", "compile", "nested")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SETTING_FIELDS = ("backend", "mode", "fullgraph", "dynamic", "options")
 
@@ -41,8 +41,10 @@ class Rule:
     name: Optional[str] = None
     class_name: Optional[str] = None
     action: str = "full"
-    # For ``regional``: what to do with the parts under the module that are not repeated
-    # blocks (embedding, final norm, head...): ``compile`` each as its own region, or ``eager``.
+    # For ``regional``: what to do with the parts under the module that are not repeated blocks
+    # (embedding, final norm, head...): ``compile`` each as its own region, leave them ``eager``, or
+    # ``nested``: compile the module whole, with each repeated block marked as a nested compile region
+    # (``torch.compiler.nested_compile_region``) so that it is traced and compiled once and reused.
     rest: str = "eager"
     backend: Optional[str] = None
     mode: Optional[str] = None
@@ -152,6 +154,8 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
 
     ``overrides`` are merged on top, e.g. ``to_policy("regional", backend="aot_eager")``.
     """
+    if isinstance(spec, CompilePolicy) and not overrides:
+        return validate_policy(spec)
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 

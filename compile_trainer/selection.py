@@ -27,7 +27,10 @@ class Region:
     module: nn.Module
     settings: CompileSettings
     rule_index: int
-    role: str  # "full", "block" (a repeated block) or "rest" (the non-repeated part of a regional rule)
+    # "full"; "block" (a repeated block); "rest" (a non-repeated part of a regional rule); or "nested"
+    # (a module compiled whole whose repeated blocks, ``nested_blocks``, are nested compile regions)
+    role: str
+    nested_blocks: List[str] = field(default_factory=list)
 
     @property
     def class_name(self) -> str:
@@ -161,6 +164,9 @@ def _expand_rule(
     groups = find_repeated_blocks(module, name)
     if not groups:
         raise _NoRepeatedBlocks(name, module)
+    if rule.rest == "nested":
+        blocks = [b for _, block_names in groups for b in block_names]
+        return [(name, Region(name, module, settings, index, "nested", nested_blocks=blocks))]
     items: List[Tuple[str, Optional[Region]]] = []
     for _, block_names in groups:
         blocks = dict(module.named_modules(prefix=name))
@@ -180,7 +186,7 @@ def _has_state(module: nn.Module) -> bool:
 
 def _place_rest(plan: CompilePlan, index: int, rule: Rule, name: str, module: nn.Module, settings) -> None:
     """A module that a regional glob matched but that holds no repeated blocks is all 'rest'."""
-    if rule.rest == "compile" and _has_state(module):
+    if rule.rest in ("compile", "nested") and _has_state(module):
         _place(plan, index, name, Region(name, module, settings, index, "rest"))
         plan.notes.append(f"{name} has no repeated blocks: compiled whole as rest of rule {index}")
     else:

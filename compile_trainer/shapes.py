@@ -331,8 +331,8 @@ def pad_to_length(tensor: torch.Tensor, dim: int, length: int, value: Any) -> to
     current = tensor.shape[dim]
     if current == length:
         return tensor
-    if current > length:
-        return tensor.narrow(dim, 0, length)
+    if current > length:  # contiguous: compiled graphs guard on strides, and real batches are contiguous
+        return tensor.narrow(dim, 0, length).contiguous()
     shape = list(tensor.shape)
     shape[dim] = length
     padded = tensor.new_full(shape, value)

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 
 def build_callback(cfg: DictConfig) -> CompileCallback:
-    return CompileCallback(policy=OmegaConf.to_container(cfg.compile, resolve=True))
+    telemetry = OmegaConf.to_container(cfg.telemetry, resolve=True) if "telemetry" in cfg else True
+    return CompileCallback(policy=OmegaConf.to_container(cfg.compile, resolve=True), telemetry=telemetry)
 
 
 def train(cfg: DictConfig) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 BLOCK_SIZE = 32 * 1024
 HEADER_SIZE = 7
@@ -57,9 +57,17 @@ class OfflineRun:
     config: Dict[str, Any] = field(default_factory=dict)
     group: str = ""
     name: str = ""
+    files_dir: Optional[Path] = None
 
     def series(self, key: str) -> List[Any]:
         return [row[key] for row in self.history if key in row]
+
+    def table(self, key: str) -> Dict[str, Any]:
+        """The last ``wandb.Table`` logged under ``key``, as ``{"columns": [...], "data": [[...], ...]}``."""
+        paths = [row[f"{key}/path"] for row in self.history if row.get(f"{key}/_type") == "table-file"]
+        if not paths or self.files_dir is None:
+            raise KeyError(f"no table logged under {key!r}")
+        return json.loads((self.files_dir / paths[-1]).read_text())
 
 
 def read_offline_run(path: Union[str, Path]) -> OfflineRun:
@@ -72,7 +80,7 @@ def read_offline_run(path: Union[str, Path]) -> OfflineRun:
         if not files:
             raise FileNotFoundError(f"no run-*.wandb file under {path}")
         path = files[0]
-    run = OfflineRun()
+    run = OfflineRun(files_dir=path.parent / "files")
     for raw in iter_record_bytes(path.read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(raw)

@@ -135,3 +135,36 @@ def test_checkpoints_load_both_ways(tmp_path):
         to_policy("regional", backend="aot_eager"), steps=5, ckpt_path=tmp_path / "compiled.ckpt"
     )
     assert compiled_then_eager == pytest.approx(compiled_then_compiled, rel=1e-4)
+
+
+def test_nested_blocks_are_traced_once_inside_one_graph_and_match_eager(tiny_gpt):
+    reference = type(tiny_gpt)(TINY_GPT)
+    reference.load_state_dict(tiny_gpt.state_dict())
+    root = Wrapper(tiny_gpt)
+    policy = to_policy({"rules": [{"name": "model", "action": "regional", "rest": "nested"}], "backend": "aot_eager"})
+    applied = apply_policy(root, policy)
+    rows = {row["module"]: row for row in applied.rows()}
+    assert rows["model"]["action"] == "full, nested blocks" and rows["model.blocks.2"]["shares_graph_with"] == 3
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8))
+    before = graphs_compiled()
+    _, loss = root.model(tokens, tokens)
+    loss.backward()
+    _, expected = reference(tokens, tokens)
+    expected.backward()
+    assert graphs_compiled() - before == 1
+    assert torch.allclose(loss, expected, atol=1e-6)
+    for got, want in zip(tiny_gpt.parameters(), reference.parameters()):
+        assert torch.allclose(got.grad, want.grad, atol=1e-6)
+    applied.remove()
+    assert not hasattr(type(tiny_gpt.blocks[0]).forward, "__marked_compile_region_fn__")
+
+
+def test_nested_blocks_refused_where_they_are_not_safe(tiny_gpt):
+    with pytest.raises(PolicyError, match="Inductor on the CPU computed wrong gradients"):
+        apply_policy(
+            Wrapper(tiny_gpt), to_policy({"rules": [{"name": "model", "action": "regional", "rest": "nested"}]})
+        )
+    assert all(m._compiled_call_impl is None for m in tiny_gpt.modules()), "nothing compiled before the error"
+    with pytest.raises(PolicyError, match="needs an AOT backend"):
+        policy = {"rules": [{"name": "model", "action": "regional", "rest": "nested"}], "backend": "eager"}
+        apply_policy(Wrapper(tiny_gpt), to_policy(policy))

@@ -67,17 +67,21 @@ def test_regional_detection_on_the_recipe_model(tiny_gpt):
     plan = plan_for(root, [{"name": "model", "action": "regional", "rest": "compile"}])
     roles = {r.name: r.role for r in plan.regions}
     assert roles == {
-        "model.wte": "rest",
-        "model.wpe": "rest",
+        "model.embed": "rest",
         "model.blocks.0": "block",
         "model.blocks.1": "block",
         "model.blocks.2": "block",
-        "model.ln_f": "rest",
-        "model.lm_head": "rest",
+        "model.head": "rest",
     }
-    assert any("model.drop" in note for note in plan.notes)
     plan = plan_for(root, [{"name": "model", "action": "regional"}])
     assert {r.role for r in plan.regions} == {"block"}
+
+
+def test_regional_rest_without_parameters_stays_eager():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)]))
+    plan = plan_for(nn.Sequential(model), [{"name": "0", "action": "regional", "rest": "compile"}])
+    assert plan.region_names() == ["0.0", "0.2.0", "0.2.1", "0.2.2"]
+    assert plan.notes == ["0.1 (ReLU) has no parameters: left eager"]
 
 
 def test_regional_detection_on_transformer_encoder():

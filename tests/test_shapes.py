@@ -1,5 +1,6 @@
 """The ``shapes`` section without Lightning: validation, batch traversal, padding, marking, collate."""
 
+import collections
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -7,11 +8,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
 from torch.utils.data import DataLoader
 
 from compile_trainer import PolicyError, apply_policy, to_policy
 from compile_trainer.configs import register_configs
 from compile_trainer.shapes import BatchShaper, PadCollate, ShapeError, ShapesPolicy, bucket_lengths
+from compile_trainer.warmup import RegionHooks
 from recipes.data import PadToLongest, Paragraphs, TokenBatch
 from recipes.gpt import GPT
 from tests.conftest import TINY_GPT, Wrapper
@@ -173,6 +176,37 @@ def test_padded_batches_through_compiled_regions_match_eager():
     apply_policy(Wrapper(model), to_policy("buckets", backend="aot_eager", shapes={"pad": {"buckets": [16]}}))
     padded = BatchShaper(to_policy("buckets", shapes={"pad": {"buckets": [16]}}).shapes).pad(batch)
     assert torch.allclose(model(*padded)[1], eager_loss, atol=1e-5)
+
+
+def test_dynamic_regions_compile_once_and_match_eager_losses_and_gradients():
+    """Outside Lightning: ``BatchShaper`` marks the batch, ``RegionHooks`` the regions' inputs."""
+    torch.manual_seed(0)
+    model = GPT(TINY_GPT)
+    batches = [TokenBatch(torch.randint(1, 64, (3, n)), torch.randint(0, 64, (3, n))) for n in (5, 9, 14)]
+
+    def losses_and_grads():
+        results = []
+        for batch in batches:
+            model.zero_grad()
+            loss = model(*shaper(batch))[1]
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        return results
+
+    shaper = BatchShaper(ShapesPolicy())
+    eager = losses_and_grads()
+    policy = to_policy("dynamic", backend="aot_eager")
+    applied = apply_policy(Wrapper(model), policy)
+    shaper = BatchShaper(policy.shapes)
+    RegionHooks(applied, shaper)
+    clear_compilation_metrics()
+    compiled = losses_and_grads()
+    for (loss, grads), (compiled_loss, compiled_grads) in zip(eager, compiled):
+        assert torch.allclose(loss, compiled_loss, atol=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, compiled_grads))
+    frames = collections.Counter(m.co_name for m in get_compilation_metrics())
+    block = next(c.entry_name for c in applied.compiled if c.region.name == "model.blocks.0")
+    assert frames[block] == 1, "the blocks compiled dynamic at the first length"
 
 
 def test_pad_collate_pads_on_the_host_in_a_dataloader():

@@ -1,0 +1,120 @@
+"""Shared pieces of the benchmarks: environment metadata, CUDA timing, and the result-file format.
+
+Every benchmark writes one JSON file: ``{"benchmark", "title", "meta", "columns", "rows", "notes"}``;
+``benchmarks/make_report.py`` renders all of them into ``docs/BENCHMARKS.md``. Importable without
+hydra, omegaconf or wandb (the GPU image has none of them).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+# Dense bf16 tensor-core peak (FLOP/s) by device name; Lightning does not know the H200 (same chip as H100 SXM).
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def environment() -> Dict[str, Any]:
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", *sys.argv]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})",
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        meta["triton"] = None
+    return meta
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Per-step times from CUDA events (read once, at the end), or the host clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pairs: List[Any] = []
+
+    def start(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.pairs.append((started, event))
+        else:
+            self.pairs.append((started, time.perf_counter()))
+
+    def seconds(self) -> List[float]:
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            return [start.elapsed_time(end) / 1e3 for start, end in self.pairs]
+        return [end - start for start, end in self.pairs]
+
+    def median(self) -> float:
+        return statistics.median(self.seconds())
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> float:
+    """Wall-clock seconds of ``fn`` with the device synchronized on both sides."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def write_result(
+    path: Path, benchmark: str, title: str, columns: List[str], rows: List[Dict[str, Any]], notes: List[str]
+) -> None:
+    result = {
+        "benchmark": benchmark,
+        "title": title,
+        "meta": environment(),
+        "columns": columns,
+        "rows": rows,
+        "notes": notes,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
+def format_table(columns: List[str], rows: List[Dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
+        return "-" if value is None else str(value)
+
+    cells = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)

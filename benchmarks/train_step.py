@@ -1,0 +1,346 @@
+"""Training-step benchmark: eager vs torch.compile vs the peers vs this project's policies, side by side.
+
+Each variant runs in its own process with fresh Inductor/Triton caches, so the first step shows the
+cold compile a user pays. GPU run (GPT-2 small, bf16 autocast, fused AdamW, batch 8 x 1024):
+
+    python benchmarks/train_step.py --out benchmarks/results/train_step.json
+
+CPU smoke run (tiny model, aot_eager backend), as CI runs it:
+
+    python benchmarks/train_step.py --smoke --out /tmp/train_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import StepTimer, format_table, peak_flops, synchronize, timed, write_result  # noqa: E402
+from recipes.data import read_stdlib_bytes  # noqa: E402
+from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
+
+GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
+
+# variant -> (loop, how it is compiled); "raw" is a plain PyTorch loop, "lightning" a Lightning Trainer.
+VARIANTS = {
+    "eager": ("raw", "none"),
+    "torch_compile": ("raw", "torch.compile(model)"),
+    "compile_regions": ("raw", "accelerate.utils.compile_regions(model)"),
+    "block_compile": ("raw", "block.compile() for each block"),
+    "policy_full": ("raw", "policy full"),
+    "policy_regional": ("raw", "policy regional"),
+    "policy_regional_lean": ("raw", "policy regional, no pointwise autotuning"),
+    "policy_nested": ("raw", "policy regional, rest: nested"),
+    "lightning_full": ("lightning", "policy full"),
+    "lightning_regional": ("lightning", "policy regional"),
+}
+NESTED_RULES = [{"name": "*", "action": "regional", "rest": "nested"}]
+
+
+def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.Tensor]:
+    """Real text (the standard library's source) as byte tokens: ``count`` batches of ``block_size + 1``."""
+    needed = count * batch_size * (config.block_size + 1)
+    data = b"".join(read_stdlib_bytes(needed))[:needed]
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return list(tokens.view(count, batch_size, config.block_size + 1))
+
+
+def policy_for(variant: str, backend: str):
+    from compile_trainer.policy import CompilePolicy, Rule
+
+    if variant.endswith("nested"):
+        rules = [Rule(**rule) for rule in NESTED_RULES]
+        return CompilePolicy(name="regional_nested", backend=backend, rules=rules)
+    if variant.endswith("regional") or variant.endswith("regional_lean"):
+        options = {"triton.autotune_pointwise": False} if variant.endswith("lean") and backend == "inductor" else {}
+        rules = [Rule(name="*", action="regional", rest="compile")]
+        return CompilePolicy(name="regional", backend=backend, options=options, rules=rules)
+    return CompilePolicy(name="full", backend=backend, rules=[Rule(name="*", action="full")])
+
+
+def prepare_raw(variant: str, model: GPT, backend: str) -> Callable[..., Any]:
+    """Compile ``model`` as the variant says; return the callable the loop runs."""
+    if variant == "torch_compile":
+        return torch.compile(model, backend=backend)
+    if variant == "compile_regions":
+        from accelerate.utils import compile_regions
+
+        return compile_regions(model, backend=backend)
+    if variant == "block_compile":
+        for block in model.blocks:
+            block.compile(backend=backend)
+    if variant.startswith("policy_"):
+        from torch import nn
+
+        from compile_trainer.apply import apply_policy
+        from compile_trainer.policy import validate_policy
+
+        holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
+        apply_policy(holder, validate_policy(policy_for(variant, backend)))
+    return model
+
+
+def make_module(config: GPTConfig, device: torch.device) -> LanguageModel:
+    torch.manual_seed(0)
+    return LanguageModel(model=asdict(config), lr=6e-4, fused=device.type == "cuda", warmup_steps=10)
+
+
+def measure_flops(model: GPT, batch: torch.Tensor, autocast: bool) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
+    module = make_module(config, device)
+    model = module.model.to(device)
+    batches = [b.to(device) for b in make_batches(config, args.batch_size, 8)]
+    autocast = device.type == "cuda"
+    flops = measure_flops(model, batches[0], autocast)
+    optimizers = module.configure_optimizers()  # the same AdamW groups and schedule as under Lightning
+    optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+    run = prepare_raw(variant, model, args.backend)
+    losses: List[torch.Tensor] = []
+
+    def step(index: int) -> None:
+        batch = batches[index % len(batches)]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            _, loss = run(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    first_step = timed(device, lambda: step(0))
+    for index in range(1, args.warmup):
+        step(index)
+    timer = StepTimer(device)
+    synchronize(device)
+    window_start = time.perf_counter()
+    for index in range(args.warmup, args.warmup + args.steps):
+        started = timer.start()
+        step(index)
+        timer.stop(started)
+    synchronize(device)
+    window = time.perf_counter() - window_start
+    return finish(first_step, timer.median(), window, args, config, device, flops, losses)
+
+
+def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from compile_trainer.callback import CompileCallback
+
+    class StepClock(pl.Callback):
+        def __init__(self):
+            self.timer = StepTimer(device)
+            self.started: Any = None
+            self.first_step = self.window = 0.0
+            self.losses: List[torch.Tensor] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx in (0, args.warmup):
+                synchronize(device)
+                self.wall = time.perf_counter()
+            self.started = self.timer.start() if batch_idx >= args.warmup else None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(outputs["loss"].detach())
+            if self.started is not None:
+                self.timer.stop(self.started)
+            if batch_idx == 0:
+                synchronize(device)
+                self.first_step = time.perf_counter() - self.wall
+            if batch_idx == args.warmup + args.steps - 1:
+                synchronize(device)
+                self.window = time.perf_counter() - self.wall
+
+    module = make_module(config, device)
+    batches = make_batches(config, args.batch_size, 8)
+    flops = measure_flops(module.model.to(device), batches[0].to(device), device.type == "cuda")
+    windows = [(b[:, :-1], b[:, 1:]) for b in batches]
+    loader = DataLoader(
+        [pair for _ in range(math.ceil((args.warmup + args.steps) / len(windows))) for pair in windows],
+        batch_size=None,
+        shuffle=False,
+        pin_memory=device.type == "cuda",
+    )
+    clock = StepClock()
+    policy = policy_for(variant, args.backend)
+    trainer = pl.Trainer(
+        accelerator=device.type,
+        devices=1,
+        max_steps=args.warmup + args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=50,
+        precision="bf16-mixed" if device.type == "cuda" else "32-true",
+        limit_val_batches=0,
+        callbacks=[clock, CompileCallback(policy, print_plan=False)],
+    )
+    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    trainer.fit(module, train_dataloaders=loader)
+    return finish(
+        clock.first_step,
+        clock.timer.median(),
+        clock.window - 0.0,
+        args,
+        config,
+        device,
+        flops,
+        clock.losses,
+        window_steps=args.steps,
+    )
+
+
+def finish(first_step, step_time, window, args, config, device, flops, losses, window_steps=None) -> Dict[str, Any]:
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    steps = window_steps or args.steps
+    tokens = args.batch_size * config.block_size
+    peak = peak_flops(device)
+    return {
+        "first_step_s": first_step,
+        "step_ms": step_time * 1e3,
+        "tokens_per_s": tokens * steps / window,
+        "tflops": flops / step_time / 1e12,
+        "mfu": flops / step_time / peak if peak else None,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "graphs": counters["stats"]["unique_graphs"],
+        "losses": [float(loss) for loss in losses[:5]],
+        "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
+    }
+
+
+def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    config = SMOKE if args.smoke else GPT2_SMALL
+    loop, _ = VARIANTS[variant]
+    runner = run_raw if loop == "raw" else run_lightning
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    return runner(variant, args, config, device)
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """One variant in a fresh process with empty compile caches."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        out = Path(cache) / "result.json"
+        command = [sys.executable, __file__, "--worker", variant, "--worker-out", str(out), *args.passthrough]
+        started = time.perf_counter()
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.variant_timeout)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"error": " | ".join(tail)[-300:]}
+        result = json.loads(out.read_text())
+        result["process_s"] = time.perf_counter() - started
+        return result
+
+
+def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    eager = results.get("eager", {})
+    whole = results.get("torch_compile", {})
+    rows = []
+    for variant, result in results.items():
+        loop, how = VARIANTS[variant]
+        row: Dict[str, Any] = {"variant": variant, "loop": loop, "compiled": how}
+        if "error" in result:
+            rows.append(row | {"error": result["error"]})
+            continue
+        row |= {k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s")}
+        row["compile_breakdown"] = result.get("compile_time_breakdown_s")
+        if "tokens_per_s" in eager:
+            row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
+            row["loss_rel_diff_vs_eager"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], eager["losses"]))
+        if "tokens_per_s" in whole:
+            row["throughput_vs_torch_compile"] = result["tokens_per_s"] / whole["tokens_per_s"]
+            row["first_step_vs_torch_compile"] = result["first_step_s"] / whole["first_step_s"]
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [
+    "variant",
+    "loop",
+    "first_step_s",
+    "step_ms",
+    "tokens_per_s",
+    "speedup_vs_eager",
+    "throughput_vs_torch_compile",
+    "first_step_vs_torch_compile",
+    "tflops",
+    "mfu",
+    "peak_mem_gib",
+    "graphs",
+    "loss_rel_diff_vs_eager",
+    "error",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_step.json")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=30, help="timed steady-state steps")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
+    parser.add_argument("--variant-timeout", type=int, default=300)
+    parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
+    if args.worker:
+        args.worker_out.write_text(json.dumps(run_worker(args.worker, args)))
+        return
+    args.passthrough = [
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--batch-size={args.batch_size}",
+        f"--backend={args.backend}",
+    ] + (["--smoke"] if args.smoke else [])
+    results: Dict[str, Dict[str, Any]] = {}
+    for variant in args.variants:
+        results[variant] = run_variant(variant, args)
+        print(f"{variant}: {json.dumps(results[variant])[:300]}", flush=True)
+        rows = summarize(results)
+        notes = [
+            f"batch {args.batch_size} x {(SMOKE if args.smoke else GPT2_SMALL).block_size} tokens, "
+            f"{args.steps} timed steps after {args.warmup}; backend {args.backend}; fresh compile caches per variant"
+        ]
+        write_result(
+            args.out, "train_step", "Training step: eager, torch.compile, peers and policies", COLUMNS, rows, notes
+        )
+    print(format_table(COLUMNS, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Compile telemetry: graph breaks, recompiles and the recompile limit, read from Dynamo's own records."""
+
+import logging
+
+import pytest
+import torch
+
+from compile_trainer import apply_policy, to_policy
+from compile_trainer.telemetry import CompileTelemetry
+from tests import telemetry_models as models
+
+
+def run_regional(model, *inputs, backend="eager", **policy):
+    applied = apply_policy(
+        model, to_policy({"rules": [{"name": "blocks", "action": "regional"}], "backend": backend, **policy})
+    )
+    telemetry = CompileTelemetry(applied).install()
+    try:
+        for x in inputs:
+            model(x).sum().backward() if x.requires_grad else model(x)
+        telemetry.collect()
+    finally:
+        telemetry.uninstall()
+    return telemetry
+
+
+@pytest.mark.parametrize(
+    "block, reason, marker",
+    [
+        (models.ItemBreakBlock, "Tensor.item()", "graph break: item"),
+        (models.PrintBreakBlock, "builtin operator `print`", "graph break: print"),
+    ],
+)
+def test_graph_break_reported_with_reason_location_and_module(block, reason, marker, capsys):
+    telemetry = run_regional(models.Net(block), torch.randn(4, models.WIDTH), torch.randn(4, models.WIDTH))
+    breaks = telemetry.graph_breaks()
+    assert len(breaks) == 1, [b.location for b in breaks]
+    found = breaks[0]
+    assert reason in found.reason
+    assert found.location == f"{models.__file__}:{models.line_of(marker)}"
+    assert found.function == "forward" and found.region == "blocks" and not found.declared
+    assert found.count >= 1 and found.step is None
+    assert telemetry.owner(found.location) == f"blocks.0 and 1 more ({block.__name__})"
+    assert telemetry.totals()["graph_breaks"] == 1
+    events = [e for e in telemetry.events if e.kind == "graph_break"]
+    assert len(events) == 1 and events[0].location == found.location
+    report = telemetry.format_report()
+    assert found.location in report and "fix:" in report
+
+
+def test_eager_rule_break_is_declared_and_not_counted_as_a_graph_break():
+    model = torch.nn.Sequential(models.Net())
+    policy = to_policy({"rules": [{"name": "0"}, {"name": "0.blocks.1", "action": "eager"}], "backend": "eager"})
+    telemetry = CompileTelemetry(apply_policy(model, policy)).install()
+    model(torch.randn(4, models.WIDTH))
+    telemetry.collect()
+    telemetry.uninstall()
+    breaks = telemetry.graph_breaks()
+    assert len(breaks) == 1 and breaks[0].declared and breaks[0].region == "0"
+    assert breaks[0].location == f"{models.__file__}:{models.line_of('calls each block')}"
+    assert telemetry.totals()["graph_breaks"] == 0 and telemetry.totals()["declared_graph_breaks"] == 1
+    # The break sits in a loop, so Dynamo cannot resume: Net.forward falls back to eager, and says so.
+    fallbacks = [e for e in telemetry.events if e.kind == "eager_fallback"]
+    assert len(fallbacks) == 1 and fallbacks[0].region == "0"
+
+
+def test_shape_change_is_reported_as_a_recompile_with_its_guard():
+    telemetry = run_regional(models.Net(), torch.randn(4, models.WIDTH), torch.randn(6, models.WIDTH), dynamic=False)
+    recompiles = [e for e in telemetry.events if e.kind == "recompile"]
+    assert len(recompiles) == 1
+    event = recompiles[0]
+    assert event.region == "blocks" and event.compile_id.endswith("/1")
+    assert "size mismatch at index 0. expected 4, actual 6" in event.reason
+    assert "mark the dimension dynamic" in event.fix and "bucket" in event.fix
+    stats = telemetry.regions["blocks"]
+    assert (stats.compiles, stats.recompiles, stats.graphs) == (2, 1, 2)
+    assert stats.modules == ["blocks.0", "blocks.1"]
+
+
+def test_recompile_limit_warns_before_and_errors_with_the_fix_when_hit(caplog):
+    inputs = [torch.randn(n, models.WIDTH) for n in (2, 3, 4, 5, 6)]
+    with caplog.at_level(logging.WARNING, logger="compile_trainer.telemetry"):
+        telemetry = run_regional(models.Net(), *inputs, dynamic=False, recompile_limit=3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("region blocks has recompiled 1 times (recompile_limit=3" in w for w in warnings), warnings
+    assert len(errors) == 1, errors
+    assert "region blocks hit recompile_limit=3" in errors[0] and "EAGERLY" in errors[0]
+    assert "size mismatch" in errors[0] and "mark_dynamic" in errors[0] and "bucket" in errors[0]
+    assert telemetry.totals()["recompile_limit_hits"] == 1
+    assert telemetry.regions["blocks"].recompiles == 2
+
+
+def test_lazy_backward_compiles_count_for_their_region_and_reset_is_survived():
+    model = models.Net()
+    applied = apply_policy(
+        model, to_policy({"rules": [{"name": "blocks", "action": "regional"}], "backend": "aot_eager"})
+    )
+    telemetry = CompileTelemetry(applied).install()
+    model(torch.randn(4, models.WIDTH, requires_grad=True)).sum().backward()
+    assert telemetry.compile_count == 2, "the forward frame and its lazy backward"
+    torch._dynamo.reset()  # clears Dynamo's callbacks; the telemetry registers again
+    telemetry.ensure_installed()
+    model(torch.randn(4, models.WIDTH, requires_grad=True)).sum().backward()
+    telemetry.collect()
+    telemetry.uninstall()
+    assert telemetry.compile_count == 4
+    stats = telemetry.regions["blocks"]
+    assert stats.compiles == 2 and stats.recompiles == 0, "after a reset compile ids restart at 0/0"
+    assert stats.compile_time_s == pytest.approx(telemetry.compile_time_s)
+    assert set(telemetry.regions) == {"blocks"}
