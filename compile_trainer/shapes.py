@@ -327,11 +327,15 @@ def _check_dim(path: str, tensor: torch.Tensor, dim: int, batch: Any) -> int:
 
 
 def pad_to_length(tensor: torch.Tensor, dim: int, length: int, value: Any) -> torch.Tensor:
-    """``tensor`` padded with ``value`` (or cut) along ``dim`` to ``length``."""
+    """``tensor`` padded with ``value`` (or cut) along ``dim`` to ``length``, contiguous.
+
+    Contiguous because a static graph also guards on strides: a batch that is a slice of a larger
+    tensor would otherwise compile a graph of its own even at a bucket's exact length.
+    """
     current = tensor.shape[dim]
     if current == length:
-        return tensor
-    if current > length:  # contiguous: compiled graphs guard on strides, and real batches are contiguous
+        return tensor.contiguous()
+    if current > length:
         return tensor.narrow(dim, 0, length).contiguous()
     shape = list(tensor.shape)
     shape[dim] = length

@@ -147,6 +147,11 @@ class PadToLongest:
         return TokenBatch(inputs, targets)
 
 
+def token_positions(batch: TokenBatch) -> int:
+    """Token positions in a batch, padding included (from its shape: no device sync)."""
+    return batch.inputs.numel()
+
+
 class LengthGroupedBatches(Sampler[List[int]]):
     """Batches of similar lengths, so that batch lengths really vary (a random batch of paragraphs is
     almost always as long as its longest, capped one). Indices are shuffled, cut into groups of

@@ -67,6 +67,7 @@ def test_throughput_excludes_the_slow_compile_step_and_reports_it_separately(tmp
     assert (summary["compiles"], summary["recompiles"], summary["graph_breaks"]) == (1, 0, 0)
 
     rows = list(csv.DictReader(next(tmp_path.glob("**/metrics.csv")).open()))
+
     def series(key):
         return [float(row[key]) for row in rows if row.get(key)]
 

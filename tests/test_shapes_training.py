@@ -2,6 +2,9 @@
 
 import collections
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Dict
 
 import lightning.pytorch as pl
@@ -11,10 +14,12 @@ from torch._dynamo.utils import clear_compilation_metrics, counters, get_compila
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, to_policy
+from compile_trainer.wandb_offline import read_offline_run
 from compile_trainer.warmup import RecompileError
 from recipes.data import TokenBatch
 from recipes.gpt import LanguageModel
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16}
 BUCKETS = {"pad": {"buckets": [8, 16, 24, 32]}}
 TWO_BUCKETS = {"pad": {"buckets": [16, 32]}}
@@ -69,7 +74,7 @@ def tiny_module(dropout=0.0):
 def fit(policy, data, steps=None, dropout=0.0, recorder=None, module=None):
     module = module or tiny_module(dropout)
     recorder = recorder or Recorder()
-    compile_callback = CompileCallback(policy, print_plan=False) if policy else None
+    compile_callback = CompileCallback(policy, print_plan=False, telemetry=False) if policy else None
     callbacks = [recorder] + ([compile_callback] if policy else [])
     trainer = pl.Trainer(
         max_steps=steps or len(data.train),
@@ -110,14 +115,11 @@ def test_buckets_and_dynamic_compile_fewer_graphs_than_plain_over_a_varying_stre
         counts[name] = graphs_per_region(callback)
         if name == "buckets":
             assert counters["stats"]["unique_graphs"] == recorder.graphs_at_first_step, "all compiled in warm-up"
-            assert recorder.graphs_at_first_step - before == 4 * 5, "4 buckets x 5 entries (the blocks share one)"
-    regions = ["model.wte", "model.wpe", "model.blocks.0", "model.blocks.1", "model.ln_f", "model.lm_head"]
+            assert recorder.graphs_at_first_step - before == 4 * 3, "4 buckets x 3 entries (the blocks share one)"
+    regions = ["model.embed", "model.blocks.0", "model.blocks.1", "model.head"]
     assert list(counts["buckets"]) == regions
     assert all(counts["buckets"][r] == 4 for r in regions), counts["buckets"]
-    assert all(counts["dynamic"][r] <= 2 for r in regions), counts["dynamic"]
-    # Regions that see the batch's (batch, length) dims are dynamic from the first compile; the position
-    # embedding sees the length at dim 0 of a 1-D tensor, and recompiles once by automatic dynamic shapes.
-    assert [counts["dynamic"][r] for r in regions] == [1, 2, 1, 1, 1, 1], counts["dynamic"]
+    assert all(counts["dynamic"][r] == 1 for r in regions), "dynamic from the first compile: " + str(counts)
     assert all(counts["plain"][r] == 2 for r in regions), "static first, then automatic dynamic"
     assert sum(counts["plain"].values()) > sum(counts["dynamic"].values())
     assert all(counts["plain_static"][r] == 5 for r in regions), "one per length until the recompile limit"
@@ -159,11 +161,42 @@ def test_strict_recompiles_raises_on_a_new_shape_after_warm_up_and_not_before():
     with pytest.raises(RecompileError) as raised:
         fit(policy, Stream(train, val), recorder=recorder, module=module)
     message = str(raised.value)
-    assert "compiled region 'model.wte' (Embedding)" in message and "in training after warm-up" in message
+    assert "compiled region 'model.embed' (Embeddings)" in message and "in training after warm-up" in message
     assert "size mismatch at index 0. expected 4, actual 3" in message, "the guard that failed"
-    # Warm-up compiled 2 buckets for validation (batch 2) and 2 for training (batch 4), for 5 entries,
+    # Warm-up compiled 2 buckets for validation (batch 2) and 2 for training (batch 4), for 3 entries,
     # without raising, and the six steps in buckets ran.
-    assert counters["stats"]["unique_graphs"] - before == 2 * 2 * 5
+    assert counters["stats"]["unique_graphs"] - before == 2 * 2 * 3
     assert len(recorder.losses) == 6
     # The guard lives only inside fit: afterwards the model compiles a new shape as usual.
     module.model(*token_batch(3, 13, seed=1))
+
+
+def test_train_script_runs_buckets_on_the_variable_length_recipe(tmp_path):
+    """``python train.py compile=buckets``: the policy picks the variable-length recipe its buckets fit."""
+    command = [
+        sys.executable,
+        "train.py",
+        f"hydra.run.dir={tmp_path}",
+        "compile=buckets",
+        "compile.backend=aot_eager",
+        "compile.shapes.pad.buckets=[16,32]",
+        "recipe.module.model.n_layer=2",
+        "recipe.module.model.n_embd=32",
+        "recipe.module.model.block_size=32",
+        "recipe.data.max_bytes=300000",
+        "recipe.data.batch_size=4",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=2",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    output = result.stdout + result.stderr
+    assert "compile policy 'buckets'" in output and "pad inputs, targets at dim 1 to buckets [16, 32]" in output
+    assert "compile warm-up (train): 2 batch shapes" in output and "compile warm-up (eval): 2 batch shapes" in output
+    run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
+    assert run.config["config"]["recipe"]["name"] == "gpt_tiny_varlen"
+    assert run.config["compile_policy"]["shapes"]["pad"]["buckets"] == [16, 32]
+    losses = run.series("train/loss")
+    assert len(losses) == 4 and all(0 < loss < 10 for loss in losses) and run.series("val/loss")
