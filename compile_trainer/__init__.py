@@ -4,14 +4,21 @@ from compile_trainer.apply import AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.callback import CompileCallback
 from compile_trainer.policy import CompilePolicy, PolicyError, Rule, to_policy
 from compile_trainer.selection import CompilePlan, find_repeated_blocks, resolve_plan
+from compile_trainer.shapes import BatchShaper, PadCollate, ShapeError, ShapesPolicy
+from compile_trainer.warmup import RecompileError
 
 __all__ = [
     "AppliedPolicy",
+    "BatchShaper",
     "CompileCallback",
     "CompilePlan",
     "CompilePolicy",
+    "PadCollate",
     "PolicyError",
+    "RecompileError",
     "Rule",
+    "ShapeError",
+    "ShapesPolicy",
     "apply_policy",
     "find_repeated_blocks",
     "format_plan_table",

@@ -55,7 +55,8 @@ class Padding:
     """Pad entries along ``dim`` up to the smallest bucket that fits.
 
     The buckets are given by exactly one of ``buckets`` (explicit lengths), ``multiple_of`` (every
-    multiple up to ``max``, unbounded without it) or ``powers_of_two`` (``min`` to ``max``). ``values``
+    multiple up to ``max``, unbounded without it) or ``powers_of_two`` (``min`` to ``max``); with none,
+    nothing is padded. ``values``
     names the entries to pad and the value for each. A batch longer than the largest bucket is an
     ``error`` or is cut to it (``truncate``), as ``overflow`` says.
     """
@@ -67,6 +68,10 @@ class Padding:
     powers_of_two: Optional[PowersOfTwo] = None
     values: Dict[str, Any] = field(default_factory=dict)
     overflow: str = "error"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.buckets or self.multiple_of is not None or self.powers_of_two is not None)
 
 
 @dataclass
@@ -81,14 +86,14 @@ class ShapesPolicy:
     """
 
     dynamic: List[DynamicDim] = field(default_factory=list)
-    pad: Optional[Padding] = None
+    pad: Padding = field(default_factory=Padding)
     warmup: bool = False
     strict_recompiles: bool = False
     mark_region_inputs: bool = True
 
     @property
     def active(self) -> bool:
-        return bool(self.dynamic or self.pad or self.warmup or self.strict_recompiles)
+        return bool(self.dynamic or self.pad.enabled or self.warmup or self.strict_recompiles)
 
 
 class ShapeError(ValueError):
@@ -119,10 +124,13 @@ def _is_power_of_two(value: int) -> bool:
 
 
 def _padding_problems(pad: Padding) -> List[str]:
-    rules = [name for name in ("buckets", "multiple_of", "powers_of_two") if getattr(pad, name)]
-    if len(rules) != 1:
-        given = ", ".join(rules) or "none"
-        return [f"shapes.pad: give exactly one of buckets, multiple_of, powers_of_two (given: {given})"]
+    rules = [name for name in ("buckets", "multiple_of", "powers_of_two") if getattr(pad, name) not in (None, [])]
+    if not rules:  # padding is off; values alone are a mistake
+        if pad.values:
+            return ["shapes.pad.values are given but no buckets: give buckets, multiple_of or powers_of_two"]
+        return []
+    if len(rules) > 1:
+        return [f"shapes.pad: give one of buckets, multiple_of, powers_of_two, not {' and '.join(rules)}"]
     if pad.buckets:
         if any(length < 1 for length in pad.buckets):
             return [f"shapes.pad.buckets must be positive lengths, got {list(pad.buckets)}"]
@@ -155,9 +163,9 @@ def _padding_problems(pad: Padding) -> List[str]:
     return problems
 
 
-def _dynamic_problems(dims: List[DynamicDim], pad: Optional[Padding]) -> List[str]:
+def _dynamic_problems(dims: List[DynamicDim], pad: Padding) -> List[str]:
     problems = []
-    buckets = bucket_lengths(pad) if pad is not None and not _padding_problems(pad) else None
+    buckets = bucket_lengths(pad) if pad.enabled and not _padding_problems(pad) else None
     for index, spec in enumerate(dims):
         where = f"shapes.dynamic[{index}] ({spec.entry!r}, dim {spec.dim})"
         if not spec.entry:
@@ -182,9 +190,7 @@ def _dynamic_problems(dims: List[DynamicDim], pad: Optional[Padding]) -> List[st
 def shape_policy_problems(policy: CompilePolicy) -> List[str]:
     """What is wrong with ``policy.shapes``, as messages naming what is valid (empty when all is well)."""
     shapes = policy.shapes
-    problems = _dynamic_problems(shapes.dynamic, shapes.pad)
-    if shapes.pad is not None:
-        problems += _padding_problems(shapes.pad)
+    problems = _dynamic_problems(shapes.dynamic, shapes.pad) + _padding_problems(shapes.pad)
     static = [policy.dynamic is False] + [rule.dynamic is False for rule in policy.rules]
     if shapes.dynamic and any(static):
         problems.append(
@@ -195,7 +201,7 @@ def shape_policy_problems(policy: CompilePolicy) -> List[str]:
         problems.append(
             "shapes.strict_recompiles needs shapes.warmup: true, or the first compile of a shape would fail"
         )
-    if shapes.pad is not None and not problems:
+    if shapes.pad.enabled and not problems:
         buckets = bucket_lengths(shapes.pad)
         if buckets is None and shapes.warmup:
             problems.append("shapes.warmup needs a finite set of buckets: give shapes.pad.max with multiple_of")
@@ -359,7 +365,7 @@ class BatchShaper:
 
     def __init__(self, shapes: ShapesPolicy):
         self.shapes = shapes
-        self.buckets = bucket_lengths(shapes.pad) if shapes.pad is not None else None
+        self.buckets = bucket_lengths(shapes.pad) if shapes.pad.enabled else None
         # (dim, size) patterns of the last marked batch's dynamic entries, and the ids of its marked tensors
         # (alive while that batch is in use, so an id cannot be another tensor's meanwhile)
         self.patterns: List[Tuple[Tuple[int, int], ...]] = []
@@ -378,7 +384,7 @@ class BatchShaper:
     def pad(self, batch: Any, length: Optional[int] = None) -> Any:
         """Pad the declared entries to the bucket of the longest (or to ``length``, cutting if need be)."""
         pad = self.shapes.pad
-        if pad is None:
+        if not pad.enabled:
             return batch
         entries = {path: get_entry(batch, path) for path in pad.values}
         dims = {path: _check_dim(path, t, pad.dim, batch) for path, t in entries.items()}
@@ -455,7 +461,7 @@ class BatchShaper:
 
     def warmup_batches(self, batch: Any) -> List[Any]:
         """Batches made from ``batch`` that together compile every bucket (just ``batch`` without buckets)."""
-        if self.shapes.pad is None or self.buckets is None:
+        if self.buckets is None:
             return [self(batch)]
         return [self.mark(self.pad(batch, length)) for length in self.buckets]
 
@@ -467,8 +473,8 @@ class PadCollate:
     """
 
     def __init__(self, shapes: ShapesPolicy, collate_fn: Optional[Callable[[List[Any]], Any]] = None):
-        if shapes.pad is None:
-            raise ValueError("PadCollate needs a shapes policy with a `pad` section")
+        if not shapes.pad.enabled:
+            raise ValueError("PadCollate needs a shapes policy whose `pad` section gives buckets")
         self.shaper = BatchShaper(shapes)
         self.collate_fn = collate_fn or default_collate
 
@@ -476,13 +482,20 @@ class PadCollate:
         return self.shaper.pad(self.collate_fn(samples))
 
 
+def _range(spec: DynamicDim) -> str:
+    bounds = ([f"min {spec.min}"] if spec.min is not None else []) + (
+        [f"max {spec.max}"] if spec.max is not None else []
+    )
+    return f" ({', '.join(bounds)})" if bounds else ""
+
+
 def describe_shapes(shapes: ShapesPolicy) -> str:
     """One line for the plan table."""
     parts = []
     if shapes.dynamic:
-        marks = [f"{d.entry}[{d.dim}]" + (f" in [{d.min}, {d.max}]" if d.min or d.max else "") for d in shapes.dynamic]
+        marks = [f"{d.entry}[{d.dim}]" + _range(d) for d in shapes.dynamic]
         parts.append("mark_dynamic " + ", ".join(marks))
-    if shapes.pad is not None:
+    if shapes.pad.enabled:
         buckets = bucket_lengths(shapes.pad)
         lengths = buckets if buckets is not None else f"multiples of {shapes.pad.multiple_of}"
         parts.append(f"pad {', '.join(shapes.pad.values)} at dim {shapes.pad.dim} to buckets {lengths}")
