@@ -78,7 +78,7 @@ class RegionHooks:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return inner(*args, **kwargs)
             except RuntimeError as error:
-                if STANCE_MESSAGE not in str(error) or isinstance(error, RecompileError):
+                if STANCE_MESSAGE not in str(error):
                     raise
                 raise RecompileError(self._describe(item, mode, error)) from error
 
@@ -153,7 +153,6 @@ class ShapeHooks:
         self.shaper = BatchShaper(shapes)
         self.regions: Optional[RegionHooks] = None  # wrapped at the first batch, after the policy is applied
         self.warmed: Set[str] = set()
-        self.warmup_seconds: Dict[str, float] = {}
         self._strategy = trainer.strategy
         self._original = self._strategy.batch_to_device
         self._strategy.batch_to_device = self._batch_to_device
@@ -184,8 +183,7 @@ class ShapeHooks:
                     strategy.validation_step(warm_batch, 0, **kwargs)
         mode = (True, module.training) if stage == "train" else _mode(module)
         self.warmed.add(stage)
-        self.warmup_seconds[stage] = time.perf_counter() - started
-        log.info("compile warm-up (%s): %d batch shapes in %.1f s", stage, len(batches), self.warmup_seconds[stage])
+        log.info("compile warm-up (%s): %d batch shapes in %.1f s", stage, len(batches), time.perf_counter() - started)
         if self.shapes.strict_recompiles:
             self.regions.arm(mode)
 
