@@ -13,13 +13,17 @@ CPU smoke run (tiny model, aot_eager backend), as CI runs it:
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import math
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -50,6 +54,73 @@ VARIANTS = {
     "lightning_regional": ("lightning", "policy regional"),
 }
 NESTED_RULES = [{"name": "*", "action": "regional", "rest": "nested"}]
+
+
+class SyncRecorder:
+    """Counts device synchronizations in the timed window (``torch.cuda.set_sync_debug_mode``), with where
+    they come from: a sync a step stops the host from running ahead and starves the GPU."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.sites: Dict[str, int] = {}
+
+    def start(self) -> None:
+        if self.enabled:
+            warnings.showwarning = self._record
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        site = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:])
+        self.sites[site] = self.sites.get(site, 0) + 1
+
+
+class HostProfile:
+    """Where time goes in the timed steps: cProfile of the host (``--host-profile``), or the device's kernels
+    by total time (``--kernel-profile``); for finding out why one loop keeps the GPU less busy than another."""
+
+    def __init__(self, host: bool, kernels: bool, steps: int):
+        self.cprofile = cProfile.Profile() if host else None
+        self.kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if kernels else None
+        self.steps = steps
+
+    def start(self) -> None:
+        if self.cprofile:
+            self.cprofile.enable()
+        if self.kernels:
+            self.kernels.__enter__()
+
+    def stop(self) -> None:
+        if self.cprofile:
+            self.cprofile.disable()
+        if self.kernels:
+            self.kernels.__exit__(None, None, None)
+
+    def top(self, count: int = 20) -> List[str]:
+        lines = []
+        if self.cprofile:
+            stats = pstats.Stats(self.cprofile)
+            rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:count]  # by own time
+            lines += [
+                f"{own / self.steps * 1e3:7.3f} ms/step own, {cumulative / self.steps * 1e3:7.3f} cum: "
+                f"{Path(file).name}:{line} {name}"
+                for (file, line, name), (_, _, own, cumulative, _) in rows
+            ]
+        if self.kernels:
+            events = [e for e in self.kernels.key_averages() if e.device_time_total > 0]
+            total = sum(e.device_time_total for e in events)
+            lines.append(f"device time {total / self.steps / 1e3:.3f} ms/step in {len(events)} kernels")
+            for event in sorted(events, key=lambda e: -e.device_time_total)[:count]:
+                per_step = event.device_time_total / self.steps / 1e3
+                lines.append(f"{per_step:7.3f} ms/step x{event.count // self.steps}: {event.key[:90]}")
+        return lines
 
 
 def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.Tensor]:
@@ -137,15 +208,22 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     for index in range(1, args.warmup):
         step(index)
     timer = StepTimer(device)
+    syncs = SyncRecorder(args.sync_debug)
+    host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     synchronize(device)
     window_start = time.perf_counter()
+    syncs.start()
+    host.start()
     for index in range(args.warmup, args.warmup + args.steps):
         started = timer.start()
         step(index)
         timer.stop(started)
+    host.stop()
+    syncs.stop()
     synchronize(device)
     window = time.perf_counter() - window_start
-    return finish(first_step, timer.median(), window, args, config, device, flops, losses)
+    result = finish(first_step, timer.median(), window, args, config, device, flops, losses)
+    return result | {"syncs": syncs.sites, "host_profile": host.top()}
 
 
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
@@ -160,11 +238,16 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.started: Any = None
             self.first_step = self.window = 0.0
             self.losses: List[torch.Tensor] = []
+            self.syncs = SyncRecorder(args.sync_debug)
+            self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx in (0, args.warmup):
                 synchronize(device)
                 self.wall = time.perf_counter()
+            if batch_idx == args.warmup:
+                self.syncs.start()
+                self.host.start()
             self.started = self.timer.start() if batch_idx >= args.warmup else None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -175,6 +258,8 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
             if batch_idx == args.warmup + args.steps - 1:
+                self.host.stop()
+                self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
 
@@ -182,11 +267,13 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     batches = make_batches(config, args.batch_size, 8)
     flops = measure_flops(module.model.to(device), batches[0].to(device), device.type == "cuda")
     windows = [(b[:, :-1], b[:, 1:]) for b in batches]
+    if args.lightning_data == "device":  # already on the GPU: no pinning thread, no host-to-device copy
+        windows = [(x.to(device), y.to(device)) for x, y in windows]
     loader = DataLoader(
         [pair for _ in range(math.ceil((args.warmup + args.steps) / len(windows))) for pair in windows],
         batch_size=None,
         shuffle=False,
-        pin_memory=device.type == "cuda",
+        pin_memory=device.type == "cuda" and args.lightning_data == "pinned",
     )
     clock = StepClock()
     policy = policy_for(variant, args.backend)
@@ -205,23 +292,14 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
-    return finish(
-        clock.first_step,
-        clock.timer.median(),
-        clock.window - 0.0,
-        args,
-        config,
-        device,
-        flops,
-        clock.losses,
-        window_steps=args.steps,
-    )
+    result = finish(clock.first_step, clock.timer.median(), clock.window, args, config, device, flops, clock.losses)
+    return result | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
-def finish(first_step, step_time, window, args, config, device, flops, losses, window_steps=None) -> Dict[str, Any]:
+def finish(first_step, step_time, window, args, config, device, flops, losses) -> Dict[str, Any]:
     from torch._dynamo.utils import calculate_time_spent, counters
 
-    steps = window_steps or args.steps
+    steps = args.steps
     tokens = args.batch_size * config.block_size
     peak = peak_flops(device)
     return {
@@ -273,7 +351,11 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
         if "error" in result:
             rows.append(row | {"error": result["error"]})
             continue
-        row |= {k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s")}
+        row |= {
+            k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s", "syncs")
+        }
+        row["syncs_in_timed_steps"] = result.get("syncs")
+        row["host_profile"] = result.get("host_profile")
         row["compile_breakdown"] = result.get("compile_time_breakdown_s")
         if "tokens_per_s" in eager:
             row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
@@ -313,6 +395,15 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
+    parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
+    parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
+    parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
+    parser.add_argument(
+        "--lightning-data",
+        choices=["pinned", "pageable", "device"],
+        default="pinned",
+        help="how the Lightning loop's batches arrive: a pinned-memory DataLoader, pageable, or already on the GPU",
+    )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -326,7 +417,17 @@ def main() -> None:
         f"--warmup={args.warmup}",
         f"--batch-size={args.batch_size}",
         f"--backend={args.backend}",
-    ] + (["--smoke"] if args.smoke else [])
+        f"--lightning-data={args.lightning_data}",
+    ] + [
+        flag
+        for flag, on in (
+            ("--smoke", args.smoke),
+            ("--sync-debug", args.sync_debug),
+            ("--host-profile", args.host_profile),
+            ("--kernel-profile", args.kernel_profile),
+        )
+        if on
+    ]
     results: Dict[str, Dict[str, Any]] = {}
     for variant in args.variants:
         results[variant] = run_variant(variant, args)

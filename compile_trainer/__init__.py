@@ -2,7 +2,8 @@
 
 from compile_trainer.apply import AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.callback import CompileCallback
-from compile_trainer.policy import CompilePolicy, PolicyError, Rule, to_policy
+from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
+from compile_trainer.policy import CompilePolicy, OptimizerPolicy, PolicyError, Rule, to_policy
 from compile_trainer.selection import CompilePlan, find_repeated_blocks, resolve_plan
 from compile_trainer.shapes import BatchShaper, PadCollate, ShapeError, ShapesPolicy
 from compile_trainer.warmup import RecompileError
@@ -13,6 +14,9 @@ __all__ = [
     "CompileCallback",
     "CompilePlan",
     "CompilePolicy",
+    "CompiledOptimizerStep",
+    "OptimizerChoice",
+    "OptimizerPolicy",
     "PadCollate",
     "PolicyError",
     "RecompileError",
@@ -20,6 +24,7 @@ __all__ = [
     "ShapeError",
     "ShapesPolicy",
     "apply_policy",
+    "compile_optimizer",
     "find_repeated_blocks",
     "format_plan_table",
     "resolve_plan",

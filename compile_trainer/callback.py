@@ -6,14 +6,16 @@ Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``, ``BatchShaper
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
+from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
 from compile_trainer.shapes import describe_shapes
 from compile_trainer.warmup import ShapeHooks
@@ -39,6 +41,7 @@ class CompileCallback(pl.Callback):
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
         self.shape_hooks: Optional[ShapeHooks] = None
+        self.optimizer_steps: List[CompiledOptimizerStep] = []
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
@@ -47,6 +50,11 @@ class CompileCallback(pl.Callback):
         return self.telemetry.summary() if self.telemetry is not None else {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.optimizer_steps = compile_optimizers(
+            trainer.optimizers, self.policy.optimizer, self.policy.backend, lambda c: _log_choice(trainer, c)
+        )
+        if self.print_plan and self.optimizer_steps:
+            rank_zero_info(describe_steps(self.optimizer_steps))
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
             if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
                 self.telemetry.start(trainer, pl_module, self.applied)
@@ -95,3 +103,9 @@ class CompileCallback(pl.Callback):
         if self.telemetry is not None:
             self.telemetry.stop()
         self._remove_shape_hooks()
+
+
+def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:
+    rank_zero_info(f"optimizer: {choice.describe()}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams({"optimizer_choice": dataclasses.asdict(choice)})

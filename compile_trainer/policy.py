@@ -22,6 +22,8 @@ ACTIONS = ("full", "regional", "eager")
 REST_ACTIONS = ("eager", "compile", "nested")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SETTING_FIELDS = ("backend", "mode", "fullgraph", "dynamic", "options")
+OPTIMIZER_COMPILE = ("true", "false", "auto")
+OPTIMIZER_CANDIDATES = ("fused", "foreach", "compiled")
 
 
 class PolicyError(ValueError):
@@ -83,6 +85,26 @@ class CompileSettings:
 
 
 @dataclass
+class OptimizerPolicy:
+    """How each optimizer's ``step`` runs (see ``compile_trainer.optimizer``).
+
+    ``compile``: ``true`` replaces the step with a compiled update whose hyperparameters are tensors
+    (LR schedules never recompile); ``auto`` times ``auto_candidates`` on the real parameters during
+    the first steps and keeps the fastest; ``false`` leaves the optimizer alone. Independent of the
+    policy's ``enabled``. ``backend`` defaults to the policy's backend.
+    """
+
+    compile: str = "false"
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: bool = True
+    options: Dict[str, Any] = field(default_factory=dict)
+    auto_candidates: List[str] = field(default_factory=lambda: list(OPTIMIZER_CANDIDATES))
+    # Timed steps per candidate for ``auto``, after one untimed warm-up step each (which compiles).
+    auto_steps: int = 3
+
+
+@dataclass
 class CompilePolicy:
     """A whole compile policy: global settings plus ordered rules.
 
@@ -101,6 +123,7 @@ class CompilePolicy:
     rules: List[Rule] = field(default_factory=list)
     # Variable-length batches: mark_dynamic axes, padding buckets, warm-up, strict recompiles.
     shapes: ShapesPolicy = field(default_factory=ShapesPolicy)
+    optimizer: OptimizerPolicy = field(default_factory=OptimizerPolicy)
 
     @property
     def settings(self) -> CompileSettings:
@@ -137,7 +160,26 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         _check_settings(rule_where, rule.backend, rule.mode)
     for problem in shape_policy_problems(policy):
         raise PolicyError(f"{where}: {problem}.")
+    validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     return policy
+
+
+def validate_optimizer_policy(optimizer: OptimizerPolicy, where: str = "optimizer policy") -> OptimizerPolicy:
+    optimizer.compile = str(optimizer.compile).lower()  # YAML's `true` arrives as the string "True"
+    if optimizer.compile not in OPTIMIZER_COMPILE:
+        raise PolicyError(
+            f"{where}: invalid compile {optimizer.compile!r}. Valid values: {', '.join(OPTIMIZER_COMPILE)}."
+        )
+    _check_settings(where, optimizer.backend, optimizer.mode)
+    unknown = [c for c in optimizer.auto_candidates if c not in OPTIMIZER_CANDIDATES]
+    if unknown or not optimizer.auto_candidates:
+        raise PolicyError(
+            f"{where}: invalid auto_candidates {list(optimizer.auto_candidates)}. "
+            f"Give one or more of: {', '.join(OPTIMIZER_CANDIDATES)}."
+        )
+    if optimizer.auto_steps < 1:
+        raise PolicyError(f"{where}: auto_steps must be >= 1, got {optimizer.auto_steps}.")
+    return optimizer
 
 
 def bundled_policy_dir() -> Path:

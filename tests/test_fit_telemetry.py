@@ -134,5 +134,5 @@ def test_wandb_offline_run_holds_series_event_table_and_summary(tmp_path):
     assert len(recompiles) == summary["recompiles"] > 0
     assert all("grad_mode" in event["reason"] for event in recompiles), "validation ran first, under no_grad"
     regions = run.table("compile/regions")
-    labels = ["model.wte", "model.wpe", "model.blocks", "model.ln_f", "model.lm_head"]
+    labels = ["model.embed", "model.blocks", "model.head"]
     assert [row[0] for row in regions["data"]] == labels

@@ -1,0 +1,291 @@
+"""Optimizer-step benchmark: AdamW over GPT-2 small's parameters with torch's foreach and fused kernels,
+``torch.compile(opt.step)`` and this project's compiled step, side by side in one process.
+
+GPU run (GPT-2 small's 124M fp32 parameters, 1,000 scheduled steps per variant):
+
+    python benchmarks/optimizer.py --out benchmarks/results/optimizer.json
+
+CPU smoke run (tiny model, aot_eager backend), as CI runs it:
+
+    python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json
+
+Every variant starts from the same parameters, gradients and optimizer state, with fresh Inductor caches, and
+runs the same warm-up + cosine LR schedule (stepped after every optimizer step, outside the timed region).
+Columns: median step time (CUDA events around ``step()``) and effective bandwidth (7 x parameter bytes: read
+param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time in
+kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time: bandwidth-bound);
+wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and graph breaks over
+all steps; the largest parameter difference from foreach at the end. The ``copy floor`` row is a device copy of
+the parameter bytes, scaled to AdamW's 7 passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import re
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import StepTimer, format_table, write_result  # noqa: E402
+from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
+from compile_trainer.policy import OptimizerPolicy  # noqa: E402
+from recipes.gpt import GPT, GPTConfig  # noqa: E402
+
+GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+LR, BETAS, WEIGHT_DECAY = 6e-4, (0.9, 0.95), 0.1
+PASSES = 7  # AdamW moves 7 x the parameter bytes per step
+POLICIES = {
+    "compile_trainer": OptimizerPolicy(compile="true"),
+    "compile_trainer combo_kernels": OptimizerPolicy(compile="true", options={"combo_kernels": True}),
+    "compile_trainer max-autotune": OptimizerPolicy(compile="true", mode="max-autotune-no-cudagraphs"),
+    "compile_trainer reduce-overhead": OptimizerPolicy(compile="true", mode="reduce-overhead"),
+    "compile_trainer auto": OptimizerPolicy(compile="auto"),
+}
+VARIANTS = ("foreach", "fused", "torch.compile(opt.step)", *POLICIES)
+GPU_ONLY = ("compile_trainer combo_kernels", "compile_trainer max-autotune", "compile_trainer reduce-overhead")
+COLUMNS = [
+    "variant",
+    "step_ms",
+    "gb_per_s",
+    "vs_fused",
+    "host_ms",
+    "gpu_kernel_ms",
+    "kernels_per_step",
+    "first_steps_s",
+    "compile_s",
+    "recompiles",
+    "graph_breaks",
+    "max_abs_diff_vs_foreach",
+    "error",
+]
+COMPILE_PHASES = {  # CompilationMetrics fields (microseconds), reported in seconds
+    "dynamo": "dynamo_cumulative_compile_time_us",
+    "aot_autograd": "aot_autograd_cumulative_compile_time_us",
+    "inductor": "inductor_cumulative_compile_time_us",
+    "inductor_code_gen": "inductor_code_gen_cumulative_compile_time_us",
+    "triton_compile": "triton_compile_time_us",
+    "runtime_triton_autotune": "runtime_triton_autotune_time_us",
+}
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to 10% (the recipe's schedule)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.device, backend: str, steps: int):
+    """The optimizer for ``variant``, its LR schedule, and the callable that steps it."""
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    on_gpu = device.type != "cpu"
+    if variant == "torch.compile(opt.step)":
+        # The documented recipe: tensor LR (needs capturable with foreach, which is GPU-only).
+        lr = torch.tensor(LR, device=device if on_gpu else "cpu")
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=BETAS, foreach=on_gpu, capturable=on_gpu)
+    else:
+        flags = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(variant, {})
+        optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, **flags)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, max(1, steps // 10), steps))
+    if variant == "torch.compile(opt.step)":
+        return optimizer, scheduler, torch.compile(optimizer.step, backend=backend)
+    if variant in POLICIES:
+        compile_optimizer(optimizer, POLICIES[variant], backend=backend)  # after the scheduler, as in Lightning
+    return optimizer, scheduler, lambda: optimizer.step()
+
+
+def fresh_compile_caches():
+    """Cold compiles for every variant (Inductor's on-disk caches would hide compile time after the first)."""
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache", None)
+    return fresh() if fresh is not None else contextlib.nullcontext()
+
+
+def profile_kernels(step: Callable[[], Any], scheduler: Any, steps: int = 20) -> Dict[str, float]:
+    """Kernels launched and GPU time spent in them per step (the profiler's device events)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+            scheduler.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "gpu_kernel_ms": sum(e.time_range.elapsed_us() for e in kernels) / steps / 1000,
+    }
+
+
+def is_recompile(metrics: Any) -> bool:
+    """A compile id "frame/attempt" with attempt > 0 is a recompile of that frame."""
+    match = re.search(r"(\d+)/(\d+)", str(metrics.compile_id))
+    return bool(match) and int(match.group(2)) > 0
+
+
+def warmup_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Steps that compile or run auto's trial, not steady state: the first 2, or the trial and 2 more."""
+    step = optimizer.__dict__.get("step")
+    trial = getattr(step, "_trial", None) if isinstance(step, CompiledOptimizerStep) else None
+    return 2 + (len(trial.schedule) if trial is not None else 0)
+
+
+def run_variant(
+    variant: str, initial: List[torch.Tensor], grads: List[torch.Tensor], device: torch.device, args: argparse.Namespace
+) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
+    params = [torch.nn.Parameter(t.clone()) for t in initial]
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    torch._dynamo.reset()
+    seen_metrics = {id(m) for m in get_compilation_metrics()}
+    breaks_before = sum(counters["graph_break"].values())
+    row: Dict[str, Any] = {"variant": variant}
+    with fresh_compile_caches():
+        optimizer, scheduler, step = make_optimizer(variant, params, device, args.backend, args.steps)
+        compiled_step = optimizer.__dict__.get("step")
+        warmup = warmup_steps(optimizer)
+        timer, host_ms = StepTimer(device), []
+        for _ in range(args.steps):
+            started = timer.start()
+            host_start = time.perf_counter()
+            step()
+            host_ms.append(1000 * (time.perf_counter() - host_start))
+            timer.stop(started)
+            scheduler.step()
+        step_ms = [1000 * s for s in timer.seconds()]
+        if device.type == "cuda":
+            try:
+                row.update(profile_kernels(step, scheduler))
+            except Exception as error:  # the timings above still count
+                row["profile_error"] = repr(error)
+    compiles = [m for m in get_compilation_metrics() if id(m) not in seen_metrics]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    row["step_ms"] = statistics.median(step_ms[warmup:] or step_ms)
+    row["step_ms_mean"] = statistics.fmean(step_ms[warmup:] or step_ms)
+    row["gb_per_s"] = PASSES * param_bytes / (row["step_ms"] / 1000) / 1e9
+    row["host_ms"] = statistics.median(host_ms[warmup:] or host_ms)
+    row["first_steps_s"] = sum(step_ms[:warmup]) / 1000
+    row["compile_s"] = sum(getattr(m, "entire_frame_compile_time_s", None) or 0.0 for m in compiles)
+    row["compile_phases_s"] = {
+        phase: sum(getattr(m, name, None) or 0 for m in compiles) / 1e6 for phase, name in COMPILE_PHASES.items()
+    }
+    row["frames_compiled"] = len(compiles)
+    row["recompiles"] = sum(1 for m in compiles if is_recompile(m))
+    row["graph_breaks"] = sum(counters["graph_break"].values()) - breaks_before
+    if isinstance(compiled_step, CompiledOptimizerStep):
+        row["compile_kwargs"] = {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None}
+        row["compiled_steps"], row["eager_steps"] = compiled_step.compiled_steps, compiled_step.eager_steps
+        row["auto_choice"] = asdict(compiled_step.choice) if compiled_step.choice else None
+    return row, [p.detach() for p in params]
+
+
+def copy_floor(param_bytes: int, device: torch.device) -> Dict[str, Any]:
+    """A device-to-device copy of the parameter bytes (read + write), scaled to AdamW's 7 passes."""
+    source = torch.empty(param_bytes // 4, device=device)
+    target = torch.empty_like(source)
+    timer = StepTimer(device)
+    for _ in range(30):
+        started = timer.start()
+        target.copy_(source)
+        timer.stop(started)
+    copy_gb_per_s = 2 * param_bytes / statistics.median(timer.seconds()[5:]) / 1e9
+    floor_ms = 1000 * PASSES * param_bytes / (copy_gb_per_s * 1e9)
+    return {"variant": "copy floor", "step_ms": floor_ms, "gb_per_s": copy_gb_per_s}
+
+
+def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int, param_bytes: int) -> List[str]:
+    notes = [
+        f"AdamW over {params / 1e6:.1f}M fp32 parameters ({param_bytes / 1e6:.0f} MB) in 2 groups, backend "
+        f"{args.backend}, {args.steps} scheduled steps per variant (warm-up + cosine), fresh compile caches each"
+    ]
+    for row in rows:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("compile_phases_s", {}).items() if v)
+        if phases:
+            notes.append(f"{row['variant']}: compile seconds by phase: {phases}")
+        choice = row.get("auto_choice")
+        if choice:
+            trial = {name: round(ms, 3) for name, ms in choice["step_ms"].items()}
+            notes.append(f"{row['variant']}: chose {choice['chosen']}; trial ms {trial}; skipped {choice['skipped']}")
+    return notes
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "optimizer.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager, 20 steps")
+    parser.add_argument("--steps", type=int, help="scheduled steps per variant (default 1000; smoke 20)")
+    parser.add_argument("--backend", help="torch.compile backend (default inductor; smoke aot_eager)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
+    args = parser.parse_args(argv)
+    args.device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    args.steps = args.steps or (20 if args.smoke else 1000)
+    args.backend = args.backend or ("aot_eager" if args.smoke else "inductor")
+    args.variants = args.variants or [v for v in VARIANTS if args.device.type == "cuda" or v not in GPU_ONLY]
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    args = parse_args(argv)
+    device = args.device
+    if hasattr(torch._dynamo.utils, "set_compilation_metrics_limit"):
+        torch._dynamo.utils.set_compilation_metrics_limit(100_000)
+    torch._dynamo.config.recompile_limit = 64  # so recompiles are counted, not hidden by a fallback to eager
+    torch.manual_seed(0)
+    model = GPT(TINY if args.smoke else GPT2_SMALL).to(device)
+    initial = [p.detach().clone() for p in model.parameters()]
+    del model
+    generator = torch.Generator(device=device).manual_seed(1)
+    grads = [torch.randn(t.shape, device=device, generator=generator) * 1e-3 for t in initial]
+    param_bytes = sum(t.numel() * t.element_size() for t in initial)
+
+    rows: List[Dict[str, Any]] = []
+    reference: Optional[List[torch.Tensor]] = None
+    for variant in args.variants:
+        try:
+            row, final = run_variant(variant, initial, grads, device, args)
+        except Exception:  # one variant failing must not cost the others' measurements
+            rows.append({"variant": variant, "error": traceback.format_exc().strip().splitlines()[-1][:300]})
+            traceback.print_exc()
+            continue
+        if variant == "foreach":
+            reference = final
+        if reference is not None:
+            row["max_abs_diff_vs_foreach"] = max((a - b).abs().max().item() for a, b in zip(final, reference))
+        rows.append(row)
+        del final
+    fused = next((r["step_ms"] for r in rows if r["variant"] == "fused" and "step_ms" in r), None)
+    for row in rows:
+        if fused and "step_ms" in row:
+            row["vs_fused"] = fused / row["step_ms"]
+    rows.append(copy_floor(param_bytes, device))
+
+    notes = notes_for(rows, args, sum(t.numel() for t in initial), param_bytes)
+    title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
+    write_result(args.out, "optimizer", title, COLUMNS, rows, notes)
+    print(format_table(COLUMNS, rows))
+    print("\n".join(notes))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

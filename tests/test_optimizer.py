@@ -1,0 +1,411 @@
+"""The compiled optimizer step: parity with torch's optimizers, no recompiles under LR schedules, standard state,
+and the closure / accumulation / clipping / mixed-precision / manual-optimization paths in a real Trainer."""
+
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch._dynamo import register_backend
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+from compile_trainer import CompileCallback, PolicyError, to_policy
+from compile_trainer.configs import register_configs
+from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer
+from compile_trainer.policy import OptimizerPolicy
+from compile_trainer.training import build_callback
+from recipes.data import StdlibTextDataModule
+from recipes.gpt import LanguageModel
+from tests.conftest import TINY_GPT
+from tests.test_telemetry_benchmark import ROOT, WITHOUT_CONFIG_PACKAGES
+
+STEPS = 30
+OPTIMIZERS = {
+    "AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1),
+    "Adam-amsgrad": lambda groups: torch.optim.Adam(groups, lr=1e-2, weight_decay=0.01, amsgrad=True),
+    "SGD-nesterov": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "SGD-dampening": lambda groups: torch.optim.SGD(groups, lr=0.01, momentum=0.9, dampening=0.5, maximize=True),
+}
+
+
+def warmup_cosine(warmup: int = 5, total: int = STEPS):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / (total - warmup))))
+
+    return factor
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def groups_of(model: nn.Module):
+    return [
+        {"params": [p for p in model.parameters() if p.dim() >= 2]},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def train(model, optimizer, scheduler, steps, first_step=0):
+    """``steps`` closure steps on data that depends only on the step number (so runs can resume)."""
+    for step in range(first_step, first_step + steps):
+        inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+
+        def closure(inputs=inputs):
+            optimizer.zero_grad()
+            loss = model(inputs).pow(2).mean()
+            loss.backward()
+            return loss
+
+        loss = optimizer.step(closure)
+        assert loss is not None and loss.requires_grad, "step returns the closure's loss, computed with grad"
+        if scheduler is not None:
+            scheduler.step()
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, atol: float = 1e-6):
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(x, y, rtol=1e-5, atol=atol), f"{name}: max diff {(x - y).abs().max():.2e}"
+
+
+class CompileLog:
+    """The compiles of one optimizer's step since this was made (Dynamo's metrics are process-wide)."""
+
+    def __init__(self, entry_name: str):
+        self.entry_name = entry_name
+        self.seen = {id(m) for m in get_compilation_metrics()}
+
+    def compile_ids(self):
+        new = [m for m in get_compilation_metrics() if id(m) not in self.seen]
+        return [str(m.compile_id) for m in new if m.co_name == self.entry_name]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_parameters_match_eager_with_warmup_cosine(name):
+    eager = tiny_model()
+    optimizer = OPTIMIZERS[name](groups_of(eager))
+    train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), STEPS)
+
+    compiled = tiny_model()
+    optimizer = OPTIMIZERS[name](groups_of(compiled))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    step = compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager"})
+    post_hook_calls = []
+    optimizer.register_step_post_hook(lambda *_: post_hook_calls.append(1))
+    compiles = CompileLog(step.entry_name)
+    train(compiled, optimizer, scheduler, STEPS)
+
+    assert_same_params(eager, compiled)
+    assert (step.eager_steps, step.compiled_steps) == (1, STEPS - 1), "only the state-creating first step is eager"
+    assert len(post_hook_calls) == STEPS, "step hooks run on compiled steps too"
+    assert len(compiles.compile_ids()) == 1
+
+
+def test_inductor_step_never_recompiles_over_200_scheduled_steps():
+    """OneCycleLR warms up and anneals (cosine) the LR and cycles beta1 on every step: one compile, no more."""
+    steps = 200
+    eager, compiled = tiny_model(), tiny_model()
+    schedules = []
+    for model in (eager, compiled):
+        optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
+        schedules.append(torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps))
+    step = compile_optimizer(schedules[1].optimizer, {"compile": "true"}, backend="inductor")
+    graphs_before, compiles = counters["stats"]["unique_graphs"], CompileLog(step.entry_name)
+    train(eager, schedules[0].optimizer, schedules[0], steps)
+    train(compiled, schedules[1].optimizer, schedules[1], steps)
+
+    ids = compiles.compile_ids()
+    assert len(ids) == 1 and ids[0].endswith("/0"), f"one compile, no recompile: {ids}"
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    assert step.compiled_steps == steps - 1
+    betas = {g["betas"][0] for g in schedules[1].optimizer.param_groups}
+    assert schedules[1].optimizer.param_groups[0]["lr"] < 1e-3 and betas != {0.9}, "the schedule really moved"
+    assert_same_params(eager, compiled, atol=1e-5)
+
+
+def test_plateau_schedule_and_changed_weight_decay_do_not_recompile():
+    model = tiny_model()
+    optimizer = torch.optim.SGD(groups_of(model), lr=0.1, momentum=0.9, weight_decay=0.0)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    step = compile_optimizer(optimizer, {"compile": "true", "backend": "eager"})
+    compiles = CompileLog(step.entry_name)
+    for index in range(12):
+        train(model, optimizer, None, 1, first_step=index)
+        plateau.step(float(index))  # a rising metric: the LR halves every step
+        optimizer.param_groups[0]["weight_decay"] = 1e-3 * index
+    assert optimizer.param_groups[0]["lr"] < 0.1 / 2**8
+    assert len(compiles.compile_ids()) == 1
+
+
+@pytest.mark.parametrize("saved_by", ["compiled", "eager"])
+def test_state_dict_resumes_both_ways_with_identical_updates(saved_by):
+    def fresh(compiled: bool):
+        model = tiny_model()
+        optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+        if compiled:
+            compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager"})
+        return model, optimizer, scheduler
+
+    model, optimizer, scheduler = fresh(saved_by == "compiled")
+    train(model, optimizer, scheduler, 8)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "sched": scheduler.state_dict()}, buffer)
+    eager_state = fresh(False)[1].state_dict()
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][0].keys() == eager_state["param_groups"][0].keys(), "standard param groups"
+    assert all(type(g["lr"]) is float for g in saved["param_groups"]), "scheduled values stay plain floats"
+    assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+    resumed = []
+    for compiled in (True, False):
+        model, optimizer, scheduler = fresh(compiled)
+        buffer.seek(0)
+        checkpoint = torch.load(buffer, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["opt"])
+        scheduler.load_state_dict(checkpoint["sched"])
+        train(model, optimizer, scheduler, 8, first_step=8)
+        if compiled:
+            assert optimizer.step.compiled_steps == 8, "loaded state is used by the compiled update at once"
+        resumed.append(model)
+    assert_same_params(*resumed)
+
+
+def test_grad_scaler_unscales_and_skips_overflowing_steps_as_with_eager():
+    """The fp16 mixed-precision path: GradScaler.step(optimizer) without a closure."""
+    models, steps = [], []
+    for compiled in (False, True):
+        model = tiny_model()
+        optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        if compiled:
+            steps.append(compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager"}))
+        for index in range(6):
+            optimizer.zero_grad()
+            inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(index))
+            loss = model(inputs).pow(2).mean() * (math.inf if index == 3 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        models.append(model)
+    assert_same_params(*models)
+    assert (steps[0].eager_steps, steps[0].compiled_steps) == (1, 4), "the overflowing step was skipped"
+
+
+def test_auto_times_candidates_keeps_the_fastest_and_updates_stay_equal():
+    eager = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
+    train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), STEPS)
+
+    model = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    choices = []
+    policy = {"compile": "auto", "backend": "aot_eager", "auto_steps": 2}
+    step = compile_optimizer(optimizer, policy, on_choice=choices.append)
+    train(model, optimizer, scheduler, STEPS)
+
+    assert len(choices) == 1 and step.choice is choices[0]
+    choice = choices[0]
+    assert set(choice.step_ms) == {"fused", "foreach", "compiled"}
+    assert choice.chosen == min(choice.step_ms, key=choice.step_ms.get)
+    assert f"auto chose {choice.chosen}" in choice.describe() and "best of 2 timed steps" in choice.describe()
+    if choice.chosen == "compiled":
+        assert optimizer.step is step
+    else:
+        assert not isinstance(optimizer.step, CompiledOptimizerStep), "an eager winner gets its own step back"
+        assert all(g[choice.chosen] for g in optimizer.param_groups)
+    assert_same_params(eager, model)
+
+
+def test_auto_with_one_eager_candidate_restores_the_optimizer_step():
+    model = tiny_model()
+    optimizer = OPTIMIZERS["SGD-nesterov"](groups_of(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    own_step = optimizer.step  # the scheduler's tracking wrapper
+    step = compile_optimizer(optimizer, {"compile": "auto", "auto_candidates": ["foreach"], "auto_steps": 1})
+    train(model, optimizer, scheduler, 4)
+    assert step.choice.chosen == "foreach" and optimizer.step == own_step
+    assert optimizer.param_groups[0]["foreach"] is True and step.compiled_steps == 0
+
+
+@register_backend
+def failing_backend(graph_module, example_inputs):
+    raise RuntimeError("this backend cannot compile anything")
+
+
+def test_auto_drops_a_compiled_candidate_that_fails_to_compile():
+    eager, model = tiny_model(), tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
+    train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 8)
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    policy = {"compile": "auto", "auto_candidates": ["compiled", "foreach"], "backend": "failing_backend"}
+    step = compile_optimizer(optimizer, policy)
+    train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 8)
+    assert step.choice.chosen == "foreach" and set(step.choice.step_ms) == {"foreach"}
+    assert "compile failed" in step.choice.skipped["compiled"] and "cannot compile anything" in step.choice.describe()
+    assert_same_params(eager, model)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compile_optimizer(sgd, {"compile": "true", "backend": "failing_backend"})
+    with pytest.raises(Exception, match="cannot compile anything"):  # compile: true has no fallback
+        train(model, sgd, None, 2)
+
+
+def test_unsupported_optimizers_and_bad_settings_are_clear_errors():
+    model = tiny_model()
+    with pytest.raises(PolicyError, match=r"cannot compile torch.optim.rmsprop.RMSprop: supported .*Adam, AdamW, SGD"):
+        compile_optimizer(torch.optim.RMSprop(model.parameters()))
+    with pytest.raises(PolicyError, match="differentiable=True, not supported"):
+        compile_optimizer(torch.optim.Adam(model.parameters(), differentiable=True))
+    assert compile_optimizer(torch.optim.RMSprop(model.parameters()), {"compile": "false"}) is None
+    with pytest.raises(PolicyError, match="invalid compile 'yes'. Valid values: true, false, auto"):
+        to_policy({"enabled": False, "optimizer": {"compile": "yes"}})
+    with pytest.raises(PolicyError, match=r"invalid auto_candidates \['fastest'\]. Give one or more of: fused"):
+        to_policy({"enabled": False, "optimizer": {"compile": "auto", "auto_candidates": ["fastest"]}})
+    with pytest.raises(PolicyError, match="optimizer: invalid mode 'turbo'"):
+        to_policy({"enabled": False, "optimizer": {"mode": "turbo"}})
+    assert to_policy({"enabled": False, "optimizer": {"compile": True}}).optimizer.compile == "true"
+    assert isinstance(to_policy("regional").optimizer, OptimizerPolicy)
+
+
+def test_optimizer_section_composes_through_hydra():
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        with pytest.raises(ConfigCompositionException, match="compil"):
+            compose("config", overrides=["compile.optimizer.compil=true"])
+        overrides = ["compile.optimizer.compile=true", "compile.optimizer.auto_candidates=[foreach,compiled]"]
+        cfg = compose("config", overrides=overrides)
+    policy = build_callback(cfg).policy.optimizer
+    assert policy.compile == "true" and policy.auto_candidates == ["foreach", "compiled"] and policy.fullgraph
+
+
+# ---- in a real Lightning Trainer ----
+
+
+class ManualLanguageModel(LanguageModel):
+    """Manual optimization: the user calls backward, clipping, step and the scheduler."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        optimizer.zero_grad()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        scheduler.step()
+        return loss
+
+
+class RMSpropLanguageModel(LanguageModel):
+    training_steps = 0
+
+    def training_step(self, batch, batch_idx):
+        RMSpropLanguageModel.training_steps += 1
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+
+def fit(policy=None, module_class=LanguageModel, steps=4, ckpt_path=None, **trainer_args):
+    pl.seed_everything(0)
+    module = module_class(model=vars(TINY_GPT) | {"block_size": 32, "vocab_size": 256}, warmup_steps=2, decay_steps=8)
+    callback = CompileCallback(policy, print_plan=False) if policy else None
+    trainer_args.setdefault("logger", False)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        callbacks=[callback] if callback else [],
+        **trainer_args,
+    )
+    data = StdlibTextDataModule(block_size=32, batch_size=4, max_bytes=100_000)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, module, callback
+
+
+OPTIMIZER_ONLY = {"enabled": False, "backend": "aot_eager", "optimizer": {"compile": "true"}}
+
+
+def test_lightning_closure_accumulation_clipping_and_bf16_match_eager():
+    settings = dict(accumulate_grad_batches=2, gradient_clip_val=0.5, precision="bf16-mixed")
+    _, eager, _ = fit(**settings)
+    trainer, compiled, callback = fit(OPTIMIZER_ONLY, **settings)
+    assert_same_params(eager, compiled)
+    step = callback.optimizer_steps[0]
+    assert trainer.optimizers[0].step is step and (step.eager_steps, step.compiled_steps) == (1, 3)
+    assert trainer.global_step == 4
+    assert trainer.optimizers[0].param_groups[0]["lr"] != 1e-3, "the LR schedule ran"
+    row = callback.telemetry.compile.regions["optimizer_step_AdamW"]
+    assert (row.compiles, row.recompiles) == (1, 0), "the telemetry attributes the optimizer's compile to it"
+
+
+def test_lightning_manual_optimization_matches_eager():
+    _, eager, _ = fit(module_class=ManualLanguageModel)
+    _, compiled, callback = fit(OPTIMIZER_ONLY, module_class=ManualLanguageModel)
+    assert_same_params(eager, compiled)
+    assert callback.optimizer_steps[0].compiled_steps == 3
+
+
+def test_lightning_resumes_an_eager_checkpoint_with_the_compiled_step(tmp_path):
+    trainer, _, _ = fit(steps=3)
+    trainer.save_checkpoint(tmp_path / "eager.ckpt")
+    _, resumed_eager, _ = fit(steps=6, ckpt_path=tmp_path / "eager.ckpt")
+    _, resumed_compiled, callback = fit(OPTIMIZER_ONLY, steps=6, ckpt_path=tmp_path / "eager.ckpt")
+    assert_same_params(resumed_eager, resumed_compiled)
+    assert callback.optimizer_steps[0].compiled_steps == 3, "the restored state needs no eager first step"
+
+
+def test_lightning_auto_logs_its_choice(tmp_path):
+    auto = {"compile": "auto", "auto_candidates": ["foreach", "compiled"], "auto_steps": 1}
+    policy = {**OPTIMIZER_ONLY, "optimizer": auto}
+    trainer, _, callback = fit(policy, steps=6, logger=CSVLogger(tmp_path))
+    choice = callback.optimizer_steps[0].choice
+    assert choice is not None and set(choice.step_ms) == {"foreach", "compiled"}
+    hparams = yaml.safe_load(next(tmp_path.glob("**/hparams.yaml")).read_text())
+    assert hparams["optimizer_choice"]["chosen"] == choice.chosen
+    assert hparams["compile_policy"]["optimizer"]["compile"] == "auto"
+
+
+def test_lightning_unsupported_optimizer_fails_before_training():
+    with pytest.raises(PolicyError, match="supported optimizers are Adam, AdamW, SGD"):
+        fit(OPTIMIZER_ONLY, module_class=RMSpropLanguageModel)
+    assert RMSpropLanguageModel.training_steps == 0
+
+
+def test_benchmark_smoke_runs_without_config_packages(tmp_path):
+    out = tmp_path / "optimizer.json"
+    command = [sys.executable, "-c", WITHOUT_CONFIG_PACKAGES, "benchmarks/optimizer.py", "--smoke", "--out", str(out)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compile_trainer auto: chose" in result.stdout
+    data = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in data["rows"]}
+    expected = {"foreach", "fused", "torch.compile(opt.step)", "compile_trainer", "compile_trainer auto", "copy floor"}
+    assert set(rows) == expected and data["benchmark"] == "optimizer"
+    assert not any(row.get("error") for row in rows.values()), [row.get("error") for row in rows.values()]
+    ours = rows["compile_trainer"]
+    assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["max_abs_diff_vs_foreach"] < 1e-5
+    assert ours["compiled_steps"] == 19 and ours["step_ms"] > 0 and ours["vs_fused"] > 0
+    assert rows["compile_trainer auto"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}
