@@ -257,34 +257,37 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     generator = torch.Generator(device=device).manual_seed(1)
     grads = [torch.randn(t.shape, device=device, generator=generator) * 1e-3 for t in initial]
     param_bytes = sum(t.numel() * t.element_size() for t in initial)
+    params = sum(t.numel() for t in initial)
 
     rows: List[Dict[str, Any]] = []
     reference: Optional[List[torch.Tensor]] = None
+    title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
     for variant in args.variants:
+        started = time.perf_counter()
         try:
             row, final = run_variant(variant, initial, grads, device, args)
         except Exception:  # one variant failing must not cost the others' measurements
             rows.append({"variant": variant, "error": traceback.format_exc().strip().splitlines()[-1][:300]})
             traceback.print_exc()
-            continue
-        if variant == "foreach":
-            reference = final
-        if reference is not None:
-            row["max_abs_diff_vs_foreach"] = max((a - b).abs().max().item() for a, b in zip(final, reference))
-        rows.append(row)
-        del final
-    fused = next((r["step_ms"] for r in rows if r["variant"] == "fused" and "step_ms" in r), None)
-    for row in rows:
-        if fused and "step_ms" in row:
-            row["vs_fused"] = fused / row["step_ms"]
-    rows.append(copy_floor(param_bytes, device))
+        else:
+            if variant == "foreach":
+                reference = final
+            if reference is not None:
+                row["max_abs_diff_vs_foreach"] = max((a - b).abs().max().item() for a, b in zip(final, reference))
+            rows.append(row)
+            del final
+        print(f"{variant}: {time.perf_counter() - started:.1f} s, {rows[-1]}", flush=True)
+        finished = with_ratios(rows) + [copy_floor(param_bytes, device)]
+        # written after every variant, so a run cut short still leaves what it measured
+        write_result(args.out, "optimizer", title, COLUMNS, finished, notes_for(finished, args, params, param_bytes))
+    print(format_table(COLUMNS, finished))
+    print("\n".join(notes_for(finished, args, params, param_bytes)))
+    return finished
 
-    notes = notes_for(rows, args, sum(t.numel() for t in initial), param_bytes)
-    title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
-    write_result(args.out, "optimizer", title, COLUMNS, rows, notes)
-    print(format_table(COLUMNS, rows))
-    print("\n".join(notes))
-    return rows
+
+def with_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    fused = next((r["step_ms"] for r in rows if r["variant"] == "fused" and "step_ms" in r), None)
+    return [row | {"vs_fused": fused / row["step_ms"]} if fused and "step_ms" in row else row for row in rows]
 
 
 if __name__ == "__main__":
