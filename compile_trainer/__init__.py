@@ -5,17 +5,24 @@ from compile_trainer.callback import CompileCallback
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
 from compile_trainer.policy import CompilePolicy, OptimizerPolicy, PolicyError, Rule, to_policy
 from compile_trainer.selection import CompilePlan, find_repeated_blocks, resolve_plan
+from compile_trainer.shapes import BatchShaper, PadCollate, ShapeError, ShapesPolicy
+from compile_trainer.warmup import RecompileError
 
 __all__ = [
     "AppliedPolicy",
+    "BatchShaper",
     "CompileCallback",
     "CompilePlan",
     "CompilePolicy",
     "CompiledOptimizerStep",
     "OptimizerChoice",
     "OptimizerPolicy",
+    "PadCollate",
     "PolicyError",
+    "RecompileError",
     "Rule",
+    "ShapeError",
+    "ShapesPolicy",
     "apply_policy",
     "compile_optimizer",
     "find_repeated_blocks",

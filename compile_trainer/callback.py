@@ -1,7 +1,7 @@
 """``CompileCallback``: applies a compile policy to a LightningModule inside a Lightning Trainer.
 
 It only wires the library's parts to Lightning's hooks; everything it does can be called without
-Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``).
+Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``, ``BatchShaper``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, for
 from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
+from compile_trainer.shapes import describe_shapes
+from compile_trainer.warmup import ShapeHooks
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class CompileCallback(pl.Callback):
         self.policy: CompilePolicy = to_policy(policy, **overrides)
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
+        self.shape_hooks: Optional[ShapeHooks] = None
         self.optimizer_steps: List[CompiledOptimizerStep] = []
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
@@ -66,6 +69,20 @@ class CompileCallback(pl.Callback):
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.policy.shapes.active:
+            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes)
+            if self.print_plan:
+                rank_zero_info(describe_shapes(self.policy.shapes))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_shape_hooks()
+
+    def _remove_shape_hooks(self) -> None:
+        if self.shape_hooks is not None:
+            self.shape_hooks.remove()
+            self.shape_hooks = None
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.telemetry is not None:
             self.telemetry.on_train_batch_start(trainer, batch)
@@ -85,6 +102,7 @@ class CompileCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.telemetry is not None:
             self.telemetry.stop()
+        self._remove_shape_hooks()
 
 
 def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:

@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from compile_trainer.shapes import ShapesPolicy, shape_policy_problems
+
 ACTIONS = ("full", "regional", "eager")
 REST_ACTIONS = ("eager", "compile", "nested")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -119,6 +121,8 @@ class CompilePolicy:
     # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
     recompile_limit: int = 8
     rules: List[Rule] = field(default_factory=list)
+    # Variable-length batches: mark_dynamic axes, padding buckets, warm-up, strict recompiles.
+    shapes: ShapesPolicy = field(default_factory=ShapesPolicy)
     optimizer: OptimizerPolicy = field(default_factory=OptimizerPolicy)
 
     @property
@@ -154,6 +158,8 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         if rule.rest not in REST_ACTIONS:
             raise PolicyError(f"{rule_where}: invalid rest {rule.rest!r}. Valid values: {', '.join(REST_ACTIONS)}.")
         _check_settings(rule_where, rule.backend, rule.mode)
+    for problem in shape_policy_problems(policy):
+        raise PolicyError(f"{where}: {problem}.")
     validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     return policy
 

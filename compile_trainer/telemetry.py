@@ -104,8 +104,9 @@ def suggest_fix(kind: str, reason: str) -> str:
         )
     if "size mismatch" in text or "stride mismatch" in text or "<=" in text:
         return (
-            "shapes vary: mark the dimension dynamic (policy `dynamic: true` or a mark_dynamic entry), or pad "
-            "batches to a few bucket lengths; for a smaller last batch use drop_last=True"
+            "shapes vary: mark the dimension dynamic (a mark_dynamic entry in the policy's shapes.dynamic, or "
+            "`dynamic: true`), or pad batches to a few bucket lengths (shapes.pad; see compile=dynamic and "
+            "compile=buckets); for a smaller last batch use drop_last=True"
         )
     if "requires_grad" in text or "grad_mode" in text or "global_state" in text:
         return "grad mode changed (e.g. validation runs under no_grad): one extra graph per mode, expected"

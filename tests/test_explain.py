@@ -1,4 +1,3 @@
-
 """``compile-trainer explain``: graph breaks with reason, location and module; exit codes for CI."""
 
 import re

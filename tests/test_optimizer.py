@@ -26,8 +26,8 @@ from compile_trainer.policy import OptimizerPolicy
 from compile_trainer.training import build_callback
 from recipes.data import StdlibTextDataModule
 from recipes.gpt import LanguageModel
+from tests.benchmark_smoke import ROOT, WITHOUT_CONFIG_PACKAGES
 from tests.conftest import TINY_GPT
-from tests.test_telemetry_benchmark import ROOT, WITHOUT_CONFIG_PACKAGES
 
 STEPS = 30
 OPTIMIZERS = {
