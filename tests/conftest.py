@@ -1,5 +1,6 @@
 import os
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -36,3 +37,16 @@ class Wrapper(nn.Module):
         super().__init__()
         self.model = model
         self.head = nn.Linear(4, 4)
+
+
+def quiet_cpu_trainer(**trainer_args) -> pl.Trainer:
+    """A real Trainer on the CPU without logging, checkpoints, progress bar or validation, unless asked for."""
+    defaults = dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+    )
+    return pl.Trainer(**(defaults | trainer_args))

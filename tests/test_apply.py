@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 from compile_trainer import CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
 from recipes.data import StdlibTextDataModule
 from recipes.gpt import LanguageModel
-from tests.conftest import TINY_GPT, Wrapper
+from tests.conftest import TINY_GPT, Wrapper, quiet_cpu_trainer
 
 
 def graphs_compiled() -> int:
@@ -90,15 +90,8 @@ def fit_tiny(policy, steps=4, callbacks=(), ckpt_path=None, module=None):
     )
     data = StdlibTextDataModule(block_size=32, batch_size=4, max_bytes=200_000)
     recorder = LossRecorder()
-    trainer = pl.Trainer(
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        accelerator="cpu",
-        callbacks=[recorder, *callbacks] + ([CompileCallback(policy)] if policy else []),
+    trainer = quiet_cpu_trainer(
+        max_steps=steps, callbacks=[recorder, *callbacks] + ([CompileCallback(policy)] if policy else [])
     )
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer, module, recorder.losses

@@ -27,7 +27,7 @@ from compile_trainer.training import build_callback
 from recipes.data import StdlibTextDataModule
 from recipes.gpt import LanguageModel
 from tests.benchmark_smoke import ROOT, WITHOUT_CONFIG_PACKAGES
-from tests.conftest import TINY_GPT
+from tests.conftest import TINY_GPT, quiet_cpu_trainer
 
 STEPS = 30
 OPTIMIZERS = {
@@ -329,17 +329,7 @@ def fit(policy=None, module_class=LanguageModel, steps=4, ckpt_path=None, **trai
     pl.seed_everything(0)
     module = module_class(model=vars(TINY_GPT) | {"block_size": 32, "vocab_size": 256}, warmup_steps=2, decay_steps=8)
     callback = CompileCallback(policy, print_plan=False) if policy else None
-    trainer_args.setdefault("logger", False)
-    trainer = pl.Trainer(
-        max_steps=steps,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        accelerator="cpu",
-        callbacks=[callback] if callback else [],
-        **trainer_args,
-    )
+    trainer = quiet_cpu_trainer(max_steps=steps, callbacks=[callback] if callback else [], **trainer_args)
     data = StdlibTextDataModule(block_size=32, batch_size=4, max_bytes=100_000)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer, module, callback
