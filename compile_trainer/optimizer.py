@@ -406,9 +406,7 @@ class _AutoTrial:
             # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
             step_ms = {name: 1000 * min(times) for name, times in self.seconds.items()}
             chosen = min(step_ms, key=step_ms.__getitem__)
-            owner.choose(
-                OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
-            )
+            owner.choose(OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps))
 
     def _drop_compiled(self, error: Exception) -> None:
         message = " ".join(str(error).split())[:300]
