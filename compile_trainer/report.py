@@ -88,11 +88,10 @@ def _split(override: str) -> Tuple[str, str]:
     return key.lstrip("+~"), value
 
 
-def _read_overrides(directory: Path) -> List[str]:
+def _read_overrides(path: Path) -> List[str]:
     import yaml
 
-    path = directory / ".hydra" / "overrides.yaml"
-    return [str(o) for o in yaml.safe_load(path.read_text()) or []] if path.is_file() else []
+    return [str(override) for override in yaml.safe_load(path.read_text()) or []]
 
 
 def find_runs(directory: Path) -> List[Run]:
@@ -108,7 +107,7 @@ def find_runs(directory: Path) -> List[Run]:
     for overrides in sorted(directory.rglob(".hydra/overrides.yaml")):
         job_dir = overrides.parent.parent
         if job_dir not in reported:
-            runs.append(Run(job_dir, _read_overrides(job_dir)))
+            runs.append(Run(job_dir, _read_overrides(overrides)))
     if not runs:
         raise ReportError(
             f"no runs under {directory}: expected {RESULT_FILE} files written by `python train.py -m ...`"
@@ -131,7 +130,7 @@ def _label(runs: List[Run]) -> None:
         seen[run.label] = seen.get(run.label, 0) + 1
     for run in runs:
         if seen[run.label] > 1:
-            run.label += f" #{run.job}"
+            run.label += f" #{run.directory.name}"
 
 
 def is_baseline(result: Dict[str, Any]) -> bool:
@@ -309,7 +308,7 @@ class Report:
             if run.ok and not run.flags and objective_value(run.result, self.objective) is not None
         ]
         if not candidates:
-            return "Recommendation: none; no run finished without a flag."
+            return "Recommendation: no run finished without a flag; see the flags below."
         best = candidates[0]
         value = objective_value(best.result, self.objective)
         text = f"Recommendation: {best.label} (best {self.objective}: {_objective_text(self.objective, value)}"
@@ -324,6 +323,13 @@ class Report:
                     if math.isinf(payback)
                     else f"; its compile time pays off after {_steps(payback)} steps"
                 )
+        passed_over = [
+            run.label
+            for run in self.ranked[: self.ranked.index(best)]
+            if run.ok and objective_value(run.result, self.objective) is not None
+        ]
+        if passed_over:
+            text += f"; ranked higher but flagged: {', '.join(passed_over)}"
         return text + ")."
 
     def flag_lines(self) -> List[str]:
@@ -366,6 +372,7 @@ class Report:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
 
         figure, axes = plt.subplots(figsize=(8, 5.5), dpi=120)
         points = [
@@ -406,6 +413,7 @@ class Report:
             )
         axes.set_xlabel("compile time (s)")
         axes.set_ylabel("steady throughput (tokens/s)")
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
         axes.margins(x=0.2, y=0.15)
         axes.set_xlim(left=0)
         axes.set_ylim(bottom=0)
