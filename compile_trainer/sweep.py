@@ -9,6 +9,7 @@ is what ``train.py`` returns to Hydra's sweeper (Optuna maximizes or minimizes i
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 import traceback
@@ -83,12 +84,10 @@ class HydraRun:
     job: Optional[int] = None
 
     @staticmethod
-    def current(cfg: DictConfig) -> HydraRun:
+    def current() -> HydraRun:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        if not HydraConfig.initialized():  # train(cfg) called outside @hydra.main
-            return HydraRun(Path(OmegaConf.select(cfg, "trainer.default_root_dir") or "."), [], False)
         hydra_cfg = HydraConfig.get()
         multirun = hydra_cfg.mode == RunMode.MULTIRUN
         return HydraRun(
@@ -113,13 +112,14 @@ class RunRecorder:
     """Collects one run's result and writes ``result.json`` when the run ends; see the module docstring.
 
     Set ``callback`` and ``trainer`` as they are made. Runs of a multirun share one process, so each
-    starts with Dynamo's caches cleared: no run reuses, or recompiles, another run's compiled code.
+    starts with Dynamo's caches cleared (no run reuses, or recompiles, another run's compiled code) and
+    the previous run's memory freed.
     """
 
     def __init__(self, cfg: DictConfig):
         self.cfg = cfg
         self.settings = to_sweep_settings(cfg.get("sweep"))
-        self.hydra = HydraRun.current(cfg)
+        self.hydra = HydraRun.current()
         self.callback: Optional[Any] = None
         self.trainer: Optional[pl.Trainer] = None
         self.result: Dict[str, Any] = {}
@@ -128,6 +128,9 @@ class RunRecorder:
 
     def __enter__(self) -> RunRecorder:
         torch._dynamo.reset()
+        gc.collect()  # the previous run's model and optimizer (Trainer and module refer to each other)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # its cached blocks too: each run's peak memory is its own
         return self
 
     def __exit__(self, kind: Any, error: Optional[BaseException], tb: Any) -> bool:
