@@ -4,14 +4,15 @@ import hydra
 from omegaconf import DictConfig
 
 from compile_trainer.configs import register_configs
+from compile_trainer.sweep import sweeper_value
 from compile_trainer.training import train
 
 register_configs()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    train(cfg)
+def main(cfg: DictConfig) -> float:
+    return sweeper_value(train(cfg))  # the objective, for Hydra's sweepers (Optuna)
 
 
 if __name__ == "__main__":

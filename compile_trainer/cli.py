@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import List, Optional
+
+from compile_trainer.report import DEFAULT_LOSS_TOLERANCE, PLOT_FILE, ReportError, build_report
+from compile_trainer.results import OBJECTIVES
 
 EXIT_OK, EXIT_BREAKS, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -32,7 +36,41 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"exit with {EXIT_BREAKS} if there is a graph break that no `eager` rule declared (for CI)",
     )
+    report = commands.add_parser(
+        "report",
+        help="compare the runs of a sweep (python train.py -m ...) and say which policy to use",
+        description=(
+            "Read the result.json files of a multirun directory and print the runs ranked by an objective: "
+            "compile time, steady tokens/s and speedup over `none`, payback, recompiles, graph breaks, peak "
+            "memory, final loss. Flags failed runs, losses off the `none` run's and runs set up differently; "
+            "writes a plot of compile time against throughput."
+        ),
+    )
+    report.add_argument("directory", type=Path, help="a multirun directory (multirun/<sweep name>) or a run's")
+    report.add_argument(
+        "--objective", default="throughput", choices=sorted(OBJECTIVES), help="what ranks the runs (default throughput)"
+    )
+    report.add_argument(
+        "--loss-tolerance",
+        type=float,
+        default=DEFAULT_LOSS_TOLERANCE,
+        help=f"flag final losses further than this fraction from `none`'s (default {DEFAULT_LOSS_TOLERANCE})",
+    )
+    report.add_argument("--plot", type=Path, help=f"where to write the plot (default <directory>/{PLOT_FILE})")
+    report.add_argument("--no-plot", action="store_true", help="write no plot")
+    report.add_argument("--markdown", action="store_true", help="print Markdown (to paste into docs/)")
     return parser
+
+
+def run_report(args: argparse.Namespace) -> int:
+    try:
+        report = build_report(args.directory, args.objective, args.loss_tolerance)
+    except (ReportError, ValueError) as error:
+        print(f"compile-trainer report: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    plot = None if args.no_plot else report.plot(args.plot or args.directory / PLOT_FILE)
+    print(report.markdown(plot) if args.markdown else report.text(plot))
+    return EXIT_OK
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -60,6 +98,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "explain":
         return run_explain(args)
+    if args.command == "report":
+        return run_report(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse only accepts known commands
 
 

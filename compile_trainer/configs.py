@@ -3,6 +3,7 @@
 ``compile/schema`` types the compile policies; ``trainer/schema`` is generated from
 ``lightning.pytorch.Trainer``'s signature, so every Trainer argument can be overridden from the
 command line (``trainer.gradient_clip_val=1.0``) and a misspelt one fails at composition.
+``sweep_schema`` types the ``sweep`` node (``compile_trainer.sweep.SweepSettings``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 
 from compile_trainer.fit_telemetry import TelemetryConfig
 from compile_trainer.policy import CompilePolicy
+from compile_trainer.sweep import SweepSettings
 
 # Passed in code, not from the config.
 TRAINER_ARGS_SET_IN_CODE = ("self", "logger", "callbacks", "plugins", "profiler", "model_registry")
@@ -39,3 +41,4 @@ def register_configs() -> None:
     store.store(group="compile", name="schema", node=CompilePolicy)
     store.store(group="trainer", name="schema", node=trainer_schema())
     store.store(group="telemetry", name="schema", node=TelemetryConfig)
+    store.store(name="sweep_schema", node=SweepSettings)

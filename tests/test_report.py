@@ -1,0 +1,145 @@
+"""``compile-trainer report`` on hand-made result files: payback, flags, partial sweeps, bad input."""
+
+import math
+import re
+
+import pytest
+
+from compile_trainer.cli import EXIT_BAD_INPUT
+from compile_trainer.cli import main as cli_main
+from compile_trainer.report import build_report
+from compile_trainer.results import write_result
+from compile_trainer.sweep import SweepConfigError, sweeper_value, to_sweep_settings
+
+TOKENS_PER_STEP = 1000
+
+
+def write_run(directory, job, policy, *, step=0.1, compile_s=0.0, compile_steps=0, loss=2.0, steps=100, **extra):
+    """A result file like train.py writes: ``steps`` steps, the compile steps taking ``compile_s`` more each."""
+    steady = steps - compile_steps
+    result = {
+        "status": "ok",
+        "error": None,
+        "policy": policy,
+        "policy_settings": {"name": policy, "enabled": policy != "none", "optimizer": {"compile": "false"}},
+        "overrides": [f"compile={policy}"],
+        "sweep": {"name": "hand_made", "dir": str(directory), "job": job},
+        "summary": {
+            "compile_time_s": compile_s,
+            "recompiles": 0,
+            "graph_breaks": 0,
+            "compile_steps": compile_steps,
+            "compile_steps_time_s": compile_steps * (step + compile_s),
+            "steady_steps": steady,
+            "steady_step_time_s": step,
+            "steady_items_per_s": TOKENS_PER_STEP / step,
+            "peak_memory_bytes": 2**30,
+        },
+        "final_train_loss": loss,
+        "final_val_loss": loss,
+        "seed": 0,
+        "steps": steps,
+        "recipe": "gpt_tiny",
+        "data": {"block_size": 32},
+        "model": {"n_layer": 2},
+        "precision": "bf16-mixed",
+        "fresh_cache": True,
+        "environment": {"device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}, "versions": {"torch": "2.11.0"}},
+        **extra,
+    }
+    write_result(directory / str(job), result)
+
+
+@pytest.fixture
+def sweep_dir(tmp_path):
+    write_run(tmp_path, 0, "none", step=0.1)
+    write_run(tmp_path, 1, "full", step=0.05, compile_s=10.0, compile_steps=1)
+    write_run(tmp_path, 2, "regional", step=0.12, compile_s=2.0, compile_steps=1)
+    write_run(tmp_path, 3, "max_autotune", step=0.04, compile_s=60.0, compile_steps=1, loss=2.2)
+    write_run(tmp_path, 4, "reduce_overhead", step=0.045, compile_s=5.0, compile_steps=1, steps=50)
+    hydra_dir = tmp_path / "5" / ".hydra"
+    hydra_dir.mkdir(parents=True)
+    (hydra_dir / "overrides.yaml").write_text("- compile=buckets\n")
+    return tmp_path
+
+
+def report_rows(text):
+    """The report table's rows by policy label, as lists of cells."""
+    lines = [re.split(r"\s{2,}", line) for line in text.splitlines() if re.match(r"\d+  ", line)]
+    return {cells[1]: cells for cells in lines}
+
+
+def test_payback_loss_check_unequal_runs_and_a_run_without_result(sweep_dir, capsys):
+    assert cli_main(["report", str(sweep_dir), "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    rows = report_rows(text)
+    assert [rows[p][0] for p in ("max_autotune", "reduce_overhead", "full", "none", "regional", "buckets")] == [
+        "1", "2", "3", "4", "5", "6"
+    ]  # fmt: skip
+    # full: 10 s more in its compile step, 0.05 s saved per step -> even with none after 200 steps
+    assert rows["full"][5:7] == ["2.00x", "200"]
+    assert rows["regional"][5:7] == ["0.83x", "never"]
+    assert rows["none"][5:7] == ["1.00x", "-"]
+    assert rows["max_autotune"][10:] == ["2.2000", "+10.00%"]
+    assert rows["buckets"][2] == "no result" and set(rows["buckets"][3:]) == {"-"}
+    assert "6 runs, 5 ok, 0 failed, 1 without a result" in text
+    assert re.search(r"max_autotune: final loss 2\.2000 is \+10\.0% off none's 2\.0000 \(tolerance 2%\)", text)
+    assert "reduce_overhead: not comparable with none: steps 50 vs 100" in text
+    assert "buckets: no result file: still running, or killed" in text
+    assert "Equal comparison: NO, 1 run(s) differ" in text
+    assert "Device: NVIDIA H100 80GB HBM3; torch 2.11.0" in text
+    assert "Recommendation: full (best throughput: 20,000 tokens/s; 2.00x the baseline's steady throughput; " in text
+    assert "pays off after 200 steps; ranked higher but flagged: max_autotune, reduce_overhead)." in text
+
+
+def test_loss_tolerance_and_objective_change_the_verdict(sweep_dir, capsys):
+    report = build_report(sweep_dir, objective="train_time", loss_tolerance=0.2)
+    assert not any("final loss" in flag for run in report.runs for flag in run.flags)
+    # 100 steps: none 10 s, full 10 + 5 s, regional 2 + 12 s, max_autotune 60 + 4 s; reduce_overhead ran 50 steps
+    ranked = [run.label for run in report.ranked]
+    assert ranked == ["reduce_overhead", "none", "regional", "full", "max_autotune", "buckets"]
+    assert report.recommendation().startswith("Recommendation: none (best train_time: 10.0 s; no compiled policy")
+    assert cli_main(["report", str(sweep_dir), "--objective", "memory", "--no-plot", "--markdown"]) == 0
+    markdown = capsys.readouterr().out
+    assert "| 1 | none | ok | 0.0 | 10,000 | 1.00x | - | 0 | 0 | 1.00 | 2.0000 | +0.00% |" in markdown
+
+
+def test_labels_name_the_overrides_that_vary_and_no_baseline_is_said(tmp_path):
+    for job, mode in enumerate(["default", "max-autotune-no-cudagraphs"]):
+        write_run(tmp_path, job, "full", overrides=["compile=full", f"compile.mode={mode}", "seed=0"])
+    report = build_report(tmp_path)
+    assert sorted(run.label for run in report.runs) == ["full mode=default", "full mode=max-autotune-no-cudagraphs"]
+    assert report.baseline is None and all(report.speedup(run) is None for run in report.runs)
+    assert "no eager baseline" in report.text()
+    plot = report.plot(tmp_path / "plot.png")
+    assert plot.stat().st_size > 10_000
+
+
+def test_a_directory_without_runs_is_bad_input(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "no runs under" in capsys.readouterr().err
+    assert cli_main(["report", str(tmp_path / "missing")]) == EXIT_BAD_INPUT
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "result.json").write_text('{"status": "ok"}')
+    assert cli_main(["report", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "not a compile_trainer result file" in capsys.readouterr().err
+
+
+def test_value_returned_to_the_sweeper():
+    objective = {"name": "throughput", "maximize": True, "value": 5.0, "within_budget": True}
+    assert sweeper_value({"objective": objective}) == 5.0
+    assert sweeper_value({"objective": {**objective, "within_budget": False}}) == -math.inf
+    assert sweeper_value({"objective": {**objective, "maximize": False, "within_budget": False}}) == math.inf
+    assert math.isnan(sweeper_value({"objective": {**objective, "value": None}}))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"objective": "speed"}, "sweep.objective='speed' is unknown. Valid objectives: throughput, compile_time"),
+        ({"compile_time_budget_s": 0}, "sweep.compile_time_budget_s must be positive"),
+    ],
+)
+def test_bad_sweep_settings_are_named(settings, message):
+    with pytest.raises(SweepConfigError, match=re.escape(message)):
+        to_sweep_settings(settings)
