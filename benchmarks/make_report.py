@@ -128,6 +128,9 @@ def main() -> None:
     ]
     for name in names:
         lines += section(name, files[name])
+        commentary = args.results / f"{name}.md"  # what the numbers say, written by whoever ran it
+        if commentary.exists():
+            lines += [commentary.read_text().strip(), ""]
         if name == "train_step" and train_step_plot(files[name], args.out.parent / "train_step.png"):
             lines += ["![cold start vs throughput](train_step.png)", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
