@@ -42,12 +42,12 @@ class AppliedPolicy:
 
     policy: CompilePolicy
     plan: CompilePlan
+    root: nn.Module
     compiled: List[CompiledRegion] = field(default_factory=list)
     eager_inside: List[str] = field(default_factory=list)
     # block class -> its own ``forward`` before it was marked as a nested compile region (None: inherited)
     nested_classes: Dict[type, Optional[Callable[..., Any]]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
-    _root: Optional[nn.Module] = None
 
     def shared_counts(self) -> Dict[str, int]:
         """How many regions share each compiled entry (and so one compiled graph)."""
@@ -59,37 +59,26 @@ class AppliedPolicy:
     def rows(self) -> List[Dict[str, Any]]:
         """The plan as table rows: one per selected module."""
         shared = self.shared_counts()
-        actions = {"full": "full", "block": "regional block", "rest": "regional rest", "nested": "full, nested blocks"}
         rows = []
-        for c in self.compiled:
-            settings = _describe_kwargs(c.compile_kwargs)
+        for item in self.compiled:
+            region, settings = item.region, _describe_kwargs(item.compile_kwargs)
             rows.append(
-                {
-                    "module": c.region.name,
-                    "class": c.region.class_name,
-                    "action": actions[c.region.role],
-                    "rule": c.region.rule_index,
-                    "settings": settings,
-                    "shares_graph_with": shared[c.entry_name],
-                }
+                _row(
+                    region.name,
+                    region.module,
+                    ROLE_ACTIONS[region.role],
+                    region.rule_index,
+                    settings,
+                    shared[item.entry_name],
+                )
             )
-            blocks = [self._root.get_submodule(b) for b in c.region.nested_blocks] if self._root is not None else []
-            for name, block in zip(c.region.nested_blocks, blocks):
+            blocks = [self.root.get_submodule(name) for name in region.nested_blocks]
+            for name, block in zip(region.nested_blocks, blocks):
                 same_class = sum(type(other) is type(block) for other in blocks)
-                row = {"module": name, "class": type(block).__name__, "action": "nested block", "shares_graph_with": 0}
-                rows.append(row | {"rule": c.region.rule_index, "settings": settings, "shares_graph_with": same_class})
+                rows.append(_row(name, block, "nested block", region.rule_index, settings, same_class))
         for name, rule_index in self.plan.eager.items():
-            inside = name in self.eager_inside
-            rows.append(
-                {
-                    "module": name,
-                    "class": type(self._root.get_submodule(name)).__name__ if self._root is not None else "",
-                    "action": "eager (graph break)" if inside else "eager",
-                    "rule": rule_index,
-                    "settings": "-",
-                    "shares_graph_with": 0,
-                }
-            )
+            action = "eager (graph break)" if name in self.eager_inside else "eager"
+            rows.append(_row(name, self.root.get_submodule(name), action, rule_index, "-", 0))
         return rows
 
     def remove(self) -> None:
@@ -101,10 +90,23 @@ class AppliedPolicy:
                 delattr(cls, "forward")
             else:
                 cls.forward = forward
-        if self._root is not None:
-            for name in self.eager_inside:
-                self._root.get_submodule(name).__dict__.pop("forward", None)
-            self._root.__dict__.pop(APPLIED_ATTR, None)
+        for name in self.eager_inside:
+            self.root.get_submodule(name).__dict__.pop("forward", None)
+        self.root.__dict__.pop(APPLIED_ATTR, None)
+
+
+ROLE_ACTIONS = {"full": "full", "block": "regional block", "rest": "regional rest", "nested": "full, nested blocks"}
+
+
+def _row(name: str, module: nn.Module, action: str, rule: int, settings: str, shared_by: int) -> Dict[str, Any]:
+    return {
+        "module": name,
+        "class": type(module).__name__,
+        "action": action,
+        "rule": rule,
+        "settings": settings,
+        "shares_graph_with": shared_by,
+    }
 
 
 def _describe_kwargs(kwargs: Dict[str, Any]) -> str:
@@ -222,7 +224,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         )
     plan = resolve_plan(root, policy)
     device = device or model_device(root)
-    applied = AppliedPolicy(policy=policy, plan=plan, notes=list(plan.notes), _root=root)
+    applied = AppliedPolicy(policy=policy, plan=plan, root=root, notes=list(plan.notes))
     if not policy.enabled:
         setattr(root, APPLIED_ATTR, applied)
         return applied

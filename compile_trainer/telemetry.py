@@ -220,7 +220,7 @@ class CompileTelemetry:
 
     def __init__(self, applied: Optional[AppliedPolicy] = None, root: Optional[nn.Module] = None):
         self.applied = applied
-        self.root = root if root is not None else (applied._root if applied is not None else None)
+        self.root = root if root is not None else (applied.root if applied is not None else None)
         self.step: Optional[int] = None
         self.phase = "setup"
         self.compile_count = 0  # compiles started, any trigger: a step during which it changes is a compile step

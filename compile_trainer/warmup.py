@@ -53,7 +53,7 @@ class RegionHooks:
         self.applied, self.shaper = applied, shaper
         self.armed: Set[Tuple[bool, bool]] = set()
         self._wrapped: List[Tuple[nn.Module, Callable[..., Any], Callable[..., Any]]] = []
-        root = applied._root
+        root = applied.root
         for item in applied.compiled:
             module = item.region.module
             inner = module._compiled_call_impl
