@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sysconfig
 from pathlib import Path
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -37,6 +37,13 @@ class TokenBatch(NamedTuple):
 
     inputs: torch.Tensor
     targets: torch.Tensor
+
+
+def split_train_val(max_bytes: int, val_fraction: float) -> Tuple[List[bytes], List[bytes]]:
+    """Whole files for training, the last ``val_fraction`` of them (at least one) for validation."""
+    texts = read_stdlib_bytes(max_bytes)
+    n_val = max(1, int(len(texts) * val_fraction))
+    return texts[:-n_val], texts[-n_val:]
 
 
 class TokenWindows(Dataset):
@@ -77,14 +84,13 @@ class StdlibTextDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
-        texts = read_stdlib_bytes(self.max_bytes)
-        n_val = max(1, int(len(texts) * self.val_fraction))
+        train_texts, val_texts = split_train_val(self.max_bytes, self.val_fraction)
 
         def to_tokens(parts: List[bytes]) -> torch.Tensor:
             return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
 
-        self.train_set = TokenWindows(to_tokens(texts[:-n_val]), self.block_size)
-        self.val_set = TokenWindows(to_tokens(texts[-n_val:]), self.block_size)
+        self.train_set = TokenWindows(to_tokens(train_texts), self.block_size)
+        self.val_set = TokenWindows(to_tokens(val_texts), self.block_size)
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
@@ -222,10 +228,9 @@ class StdlibParagraphsDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
-        texts = read_stdlib_bytes(self.max_bytes)
-        n_val = max(1, int(len(texts) * self.val_fraction))
-        self.train_set = Paragraphs(texts[:-n_val], self.block_size, self.min_length)
-        self.val_set = Paragraphs(texts[-n_val:], self.block_size, self.min_length)
+        train_texts, val_texts = split_train_val(self.max_bytes, self.val_fraction)
+        self.train_set = Paragraphs(train_texts, self.block_size, self.min_length)
+        self.val_set = Paragraphs(val_texts, self.block_size, self.min_length)
 
     def _loader(self, dataset: Paragraphs, batch_size: int, shuffle: bool) -> DataLoader:
         sampler = LengthGroupedBatches(dataset.lengths(), batch_size, shuffle, self.drop_last, self.seed)
