@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from compile_trainer.tables import text_table
+
 # Dense bf16 tensor-core peak (FLOP/s) by device name; Lightning does not know the H200 (same chip as H100 SXM).
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -113,8 +115,4 @@ def format_table(columns: List[str], rows: List[Dict[str, Any]]) -> str:
             return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
         return "-" if value is None else str(value)
 
-    cells = [[cell(row.get(c)) for c in columns] for row in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
-    return "\n".join(lines)
+    return "\n".join(text_table(columns, [[cell(row.get(c)) for c in columns] for row in rows]))

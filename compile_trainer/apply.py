@@ -19,6 +19,7 @@ from torch import nn
 
 from compile_trainer.policy import CompilePolicy, CompileSettings, PolicyError
 from compile_trainer.selection import CompilePlan, Region, resolve_plan
+from compile_trainer.tables import text_table
 
 APPLIED_ATTR = "_compile_trainer_applied"
 CPU_FALLBACK_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -264,11 +265,7 @@ def format_plan_table(applied: AppliedPolicy) -> str:
         return f"{header}: disabled, the model runs eagerly"
     columns = ["module", "class", "action", "rule", "settings", "shares_graph_with"]
     titles = ["module", "class", "action", "rule", "settings", "shared by"]
-    cells = [[str(row[c]) for c in columns] for row in rows]
-    widths = [max([len(t)] + [len(r[i]) for r in cells]) for i, t in enumerate(titles)]
-    lines = [header, "  ".join(t.ljust(w) for t, w in zip(titles, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells]
+    lines = [header, *text_table(titles, [[str(row[c]) for c in columns] for row in rows])]
     groups = applied.shared_counts()
     lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
     lines += [f"note: {note}" for note in applied.notes]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from compile_trainer.results import OBJECTIVES, RESULT_FILE, final_loss, objective_value, read_result
+from compile_trainer.tables import text_table
 
 DEFAULT_LOSS_TOLERANCE = 0.02
 PLOT_FILE = "report.png"
@@ -336,13 +337,7 @@ class Report:
         return [f"{run.label}: {flag}" for run in self.ranked for flag in run.flags] + self.notes
 
     def text(self, plot: Optional[Path] = None) -> str:
-        rows = self.rows()
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-
-        def line(cells) -> str:
-            return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
-
-        table = [line(COLUMNS), line("-" * w for w in widths), *(line(r) for r in rows)]
+        table = text_table(COLUMNS, self.rows())
         flags = self.flag_lines()
         parts = [*self.headline(), "", *table, "", self.recommendation()]
         if flags:

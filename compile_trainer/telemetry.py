@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from compile_trainer.apply import ENTRY_PREFIX, AppliedPolicy
+from compile_trainer.tables import text_table
 
 log = logging.getLogger(__name__)
 
@@ -560,7 +561,7 @@ class CompileTelemetry:
             )
             for s in self.regions.values()
         ]
-        lines += _table(header, rows)
+        lines += text_table(header, rows)
         breaks = self.graph_breaks()
         lines.append(f"graph breaks: {len(breaks)}")
         for item in breaks:
@@ -586,10 +587,3 @@ class _Where:
     compile_id: str
     phase: str
     step: Optional[int]
-
-
-def _table(header: Tuple[str, ...], rows: List[Tuple[str, ...]]) -> List[str]:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    return lines
