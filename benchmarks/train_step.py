@@ -26,7 +26,7 @@ import traceback
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,9 +50,16 @@ VARIANTS = {
     "policy_regional": ("raw", "policy regional"),
     "policy_regional_lean": ("raw", "policy regional, no pointwise autotuning"),
     "policy_nested": ("raw", "policy regional, rest: nested"),
+    "policy_full_background": ("raw", "policy full, compiled on a background thread"),
+    "policy_regional_background": ("raw", "policy regional, compiled on a background thread"),
+    "policy_nested_background": ("raw", "policy regional, rest: nested, compiled on a background thread"),
+    "policy_full_cudagraphs": ("raw", "policy full, mode reduce-overhead (CUDA graphs)"),
     "lightning_full": ("lightning", "policy full"),
     "lightning_regional": ("lightning", "policy regional"),
+    "lightning_full_background": ("lightning", "policy full, compiled on a background thread"),
+    "lightning_full_cudagraphs": ("lightning", "policy full, mode reduce-overhead (CUDA graphs)"),
 }
+BACKGROUND, CUDAGRAPHS = "_background", "_cudagraphs"
 NESTED_RULES = [{"name": "*", "action": "regional", "rest": "nested"}]
 
 
@@ -134,6 +141,14 @@ def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.T
 def policy_for(variant: str, backend: str):
     from compile_trainer.policy import CompilePolicy, Rule
 
+    base = variant.removesuffix(BACKGROUND).removesuffix(CUDAGRAPHS)
+    policy = _base_policy(base, backend, CompilePolicy, Rule)
+    policy.background = variant.endswith(BACKGROUND)
+    policy.mode = "reduce-overhead" if variant.endswith(CUDAGRAPHS) else None
+    return policy
+
+
+def _base_policy(variant: str, backend: str, CompilePolicy, Rule):
     if variant.endswith("nested"):
         rules = [Rule(**rule) for rule in NESTED_RULES]
         return CompilePolicy(name="regional_nested", backend=backend, rules=rules)
@@ -144,14 +159,15 @@ def policy_for(variant: str, backend: str):
     return CompilePolicy(name="full", backend=backend, rules=[Rule(name="*", action="full")])
 
 
-def prepare_raw(variant: str, model: GPT, backend: str) -> Callable[..., Any]:
-    """Compile ``model`` as the variant says; return the callable the loop runs."""
+def prepare_raw(variant: str, model: GPT, backend: str) -> Tuple[Callable[..., Any], Any]:
+    """Compile ``model`` as the variant says; return the callable the loop runs and the background
+    compile to poll at each step (None unless the variant compiles in the background)."""
     if variant == "torch_compile":
-        return torch.compile(model, backend=backend)
+        return torch.compile(model, backend=backend), None
     if variant == "compile_regions":
         from accelerate.utils import compile_regions
 
-        return compile_regions(model, backend=backend)
+        return compile_regions(model, backend=backend), None
     if variant == "block_compile":
         for block in model.blocks:
             block.compile(backend=backend)
@@ -159,11 +175,14 @@ def prepare_raw(variant: str, model: GPT, backend: str) -> Callable[..., Any]:
         from torch import nn
 
         from compile_trainer.apply import apply_policy
+        from compile_trainer.background import BackgroundCompile
         from compile_trainer.policy import validate_policy
 
         holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
-        apply_policy(holder, validate_policy(policy_for(variant, backend)))
-    return model
+        policy = validate_policy(policy_for(variant, backend))
+        applied = apply_policy(holder, policy)
+        return model, BackgroundCompile(applied) if policy.background else None
+    return model, None
 
 
 def make_module(config: GPTConfig, device: torch.device) -> LanguageModel:
@@ -190,10 +209,12 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     flops = measure_flops(model, batches[0], autocast)
     optimizers = module.configure_optimizers()  # the same AdamW groups and schedule as under Lightning
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
-    run = prepare_raw(variant, model, args.backend)
+    run, background = prepare_raw(variant, model, args.backend)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
+        if background is not None:
+            background.poll()
         batch = batches[index % len(batches)]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, loss = run(batch[:, :-1], batch[:, 1:])
@@ -205,7 +226,11 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
 
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     first_step = timed(device, lambda: step(0))
-    for index in range(1, args.warmup):
+    offset = 1  # steps run before the warm-up: with a background compile, until the compiled model is in use
+    while background is not None and not background.installed and offset < args.max_eager_steps:
+        step(offset)
+        offset += 1
+    for index in range(offset, offset + args.warmup - 1):
         step(index)
     timer = StepTimer(device)
     syncs = SyncRecorder(args.sync_debug)
@@ -214,7 +239,7 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     window_start = time.perf_counter()
     syncs.start()
     host.start()
-    for index in range(args.warmup, args.warmup + args.steps):
+    for index in range(offset + args.warmup - 1, offset + args.warmup - 1 + args.steps):
         started = timer.start()
         step(index)
         timer.stop(started)
@@ -223,7 +248,13 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     synchronize(device)
     window = time.perf_counter() - window_start
     result = finish(first_step, timer.median(), window, args, config, device, flops, losses)
-    return result | {"syncs": syncs.sites, "host_profile": host.top()}
+    return result | background_result(background) | {"syncs": syncs.sites, "host_profile": host.top()}
+
+
+def background_result(background: Any) -> Dict[str, Any]:
+    if background is None:
+        return {}
+    return {"compiled_after_s": background.compiled_after_seconds, "eager_steps": background.eager_steps}
 
 
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
@@ -233,22 +264,30 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     from compile_trainer.callback import CompileCallback
 
     class StepClock(pl.Callback):
+        """Times ``args.steps`` steps after ``args.warmup``, counted from the first step (or, with a background
+        compile, from the first step that runs compiled), then stops the Trainer."""
+
         def __init__(self):
             self.timer = StepTimer(device)
             self.started: Any = None
             self.first_step = self.window = 0.0
+            self.timed_from: Optional[int] = None  # the first timed batch index
             self.losses: List[torch.Tensor] = []
             self.syncs = SyncRecorder(args.sync_debug)
             self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx in (0, args.warmup):
+            background = compile_callback.background
+            if self.timed_from is None and (background is None or background.installed):
+                self.timed_from = batch_idx + args.warmup
+            if batch_idx in (0, self.timed_from):
                 synchronize(device)
                 self.wall = time.perf_counter()
-            if batch_idx == args.warmup:
+            if batch_idx == self.timed_from:
                 self.syncs.start()
                 self.host.start()
-            self.started = self.timer.start() if batch_idx >= args.warmup else None
+            timed = self.timed_from is not None and batch_idx >= self.timed_from
+            self.started = self.timer.start() if timed else None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(outputs["loss"].detach())
@@ -257,11 +296,12 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if batch_idx == 0:
                 synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
-            if batch_idx == args.warmup + args.steps - 1:
+            if self.timed_from is not None and batch_idx == self.timed_from + args.steps - 1:
                 self.host.stop()
                 self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
+                trainer.should_stop = True
 
     module = make_module(config, device)
     batches = make_batches(config, args.batch_size, 8)
@@ -269,18 +309,19 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     windows = [(b[:, :-1], b[:, 1:]) for b in batches]
     if args.lightning_data == "device":  # already on the GPU: no pinning thread, no host-to-device copy
         windows = [(x.to(device), y.to(device)) for x, y in windows]
+    most_steps = args.warmup + args.steps + args.max_eager_steps
     loader = DataLoader(
-        [pair for _ in range(math.ceil((args.warmup + args.steps) / len(windows))) for pair in windows],
+        [pair for _ in range(math.ceil(most_steps / len(windows))) for pair in windows],
         batch_size=None,
         shuffle=False,
         pin_memory=device.type == "cuda" and args.lightning_data == "pinned",
     )
+    compile_callback = CompileCallback(policy_for(variant, args.backend), print_plan=False)
     clock = StepClock()
-    policy = policy_for(variant, args.backend)
     trainer = pl.Trainer(
         accelerator=device.type,
         devices=1,
-        max_steps=args.warmup + args.steps,
+        max_steps=most_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -288,12 +329,13 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
         log_every_n_steps=50,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",
         limit_val_batches=0,
-        callbacks=[clock, CompileCallback(policy, print_plan=False)],
+        callbacks=[clock, compile_callback],
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
     result = finish(clock.first_step, clock.timer.median(), clock.window, args, config, device, flops, clock.losses)
-    return result | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
+    extra = background_result(compile_callback.background)
+    return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
 def finish(first_step, step_time, window, args, config, device, flops, losses) -> Dict[str, Any]:
@@ -332,7 +374,11 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         out = Path(cache) / "result.json"
         command = [sys.executable, __file__, "--worker", variant, "--worker-out", str(out), *args.passthrough]
         started = time.perf_counter()
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.variant_timeout)
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.variant_timeout)
+        except subprocess.TimeoutExpired as timeout:
+            tail = (timeout.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
+            return {"error": f"timed out after {args.variant_timeout} s | " + " | ".join(tail)[-300:]}
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"error": " | ".join(tail)[-300:]}
@@ -376,6 +422,8 @@ COLUMNS = [
     "speedup_vs_eager",
     "throughput_vs_torch_compile",
     "first_step_vs_torch_compile",
+    "compiled_after_s",
+    "eager_steps",
     "tflops",
     "mfu",
     "peak_mem_gib",
@@ -395,6 +443,9 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
+    parser.add_argument(
+        "--max-eager-steps", type=int, default=5000, help="with a background compile: most steps before it is in use"
+    )
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
     parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
@@ -418,6 +469,7 @@ def main() -> None:
         f"--batch-size={args.batch_size}",
         f"--backend={args.backend}",
         f"--lightning-data={args.lightning_data}",
+        f"--max-eager-steps={args.max_eager_steps}",
     ] + [
         flag
         for flag, on in (

@@ -32,9 +32,15 @@ class CompiledRegion:
     """A region as compiled: the arguments given to ``torch.compile`` and how often it ran."""
 
     region: Region
-    entry_name: str  # the code name Dynamo reports for this region's frames
+    entry: types.FunctionType  # the top frame Dynamo compiles; its code name is what Dynamo reports
     compile_kwargs: Dict[str, Any]
     calls: int = 0
+    # Runs instead of the compiled region while set (a background compile records inputs and runs eagerly).
+    stand_in: Optional[Callable[..., Any]] = None
+
+    @property
+    def entry_name(self) -> str:
+        return self.entry.__name__
 
 
 @dataclass
@@ -169,8 +175,10 @@ def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
     return _entries[key]
 
 
-def _counting_call(item: CompiledRegion, compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _region_call(item: CompiledRegion, compiled: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
+        if item.stand_in is not None:
+            return item.stand_in(*args, **kwargs)
         item.calls += 1
         return compiled(*args, **kwargs)
 
@@ -242,9 +250,9 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
         key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
         entry = _entry_function(type(region.module), key)
-        item = CompiledRegion(region=region, entry_name=entry.__name__, compile_kwargs=kwargs)
+        item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs)
         compiled = torch.compile(types.MethodType(entry, region.module), **kwargs)
-        region.module._compiled_call_impl = _counting_call(item, compiled)
+        region.module._compiled_call_impl = _region_call(item, compiled)
         applied.compiled.append(item)
         if region.role == "nested":
             _mark_nested_blocks(applied, root, region)

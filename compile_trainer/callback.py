@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.background import BackgroundCompile
 from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
@@ -41,13 +42,15 @@ class CompileCallback(pl.Callback):
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
         self.shape_hooks: Optional[ShapeHooks] = None
+        self.background: Optional[BackgroundCompile] = None
         self.optimizer_steps: List[CompiledOptimizerStep] = []
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
     def summary(self) -> Dict[str, Any]:
         """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
-        return self.telemetry.summary() if self.telemetry is not None else {}
+        summary = self.telemetry.summary() if self.telemetry is not None else {}
+        return summary | (self.background.summary() if self.background is not None else {})
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.optimizer_steps = compile_optimizers(
@@ -62,6 +65,8 @@ class CompileCallback(pl.Callback):
         if self.telemetry is not None:
             self.telemetry.before_policy(pl_module)
         self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
+        if self.policy.background and self.policy.enabled:
+            self.background = BackgroundCompile(self.applied)
         if self.telemetry is not None:
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
@@ -84,6 +89,8 @@ class CompileCallback(pl.Callback):
             self.shape_hooks = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self.background is not None and not self.background.installed and self.background.poll():
+            _log_background(trainer, self.background)
         if self.telemetry is not None:
             self.telemetry.on_train_batch_start(trainer, batch)
 
@@ -96,6 +103,9 @@ class CompileCallback(pl.Callback):
             self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.background is not None and not self.background.installed:
+            self.background.close()  # a thread cannot be stopped: training ended before the compile did
+            _log_background(trainer, self.background)
         if self.telemetry is not None:
             self.telemetry.finish(trainer)
 
@@ -103,6 +113,13 @@ class CompileCallback(pl.Callback):
         if self.telemetry is not None:
             self.telemetry.stop()
         self._remove_shape_hooks()
+
+
+def _log_background(trainer: pl.Trainer, background: BackgroundCompile) -> None:
+    rank_zero_info(background.describe())
+    for logger in trainer.loggers:
+        metrics = {f"compile/{k}": v for k, v in background.summary().items() if v is not None}
+        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:

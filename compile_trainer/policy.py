@@ -120,6 +120,8 @@ class CompilePolicy:
     options: Dict[str, Any] = field(default_factory=dict)
     # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
     recompile_limit: int = 8
+    # Compile on a background thread while the first steps run eagerly (compile_trainer.background).
+    background: bool = False
     rules: List[Rule] = field(default_factory=list)
     # Variable-length batches: mark_dynamic axes, padding buckets, warm-up, strict recompiles.
     shapes: ShapesPolicy = field(default_factory=ShapesPolicy)
@@ -160,8 +162,23 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         _check_settings(rule_where, rule.backend, rule.mode)
     for problem in shape_policy_problems(policy):
         raise PolicyError(f"{where}: {problem}.")
+    if policy.background:
+        _check_background(where, policy)
     validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     return policy
+
+
+def _check_background(where: str, policy: CompilePolicy) -> None:
+    from compile_trainer.background import background_compile_problem
+
+    problem = background_compile_problem()
+    if problem:
+        raise PolicyError(f"{where}: background: true {problem}.")
+    if policy.shapes.warmup:
+        raise PolicyError(
+            f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "
+            "every bucket before the first step; background compiles while eager steps run); set one of them false."
+        )
 
 
 def validate_optimizer_policy(optimizer: OptimizerPolicy, where: str = "optimizer policy") -> OptimizerPolicy:

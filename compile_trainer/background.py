@@ -1,0 +1,259 @@
+"""Compiling in the background: the first steps run eagerly while a thread compiles the regions.
+
+A cold compile of a large model costs tens of seconds before the first step; compiling less (regional
+compilation) only shortens it. Compiling on a thread hides it instead: the first step runs eagerly and
+records each region's inputs, a thread then compiles every region by calling it once with copies of them
+(the forward graph and, eagerly, the backward graph), training goes on eagerly meanwhile, and at the first
+step boundary after the thread is done the compiled regions take over.
+
+The thread's call runs on a shadow of the region (the same parameters, copies of its buffers), so it
+changes nothing the training sees: no gradients (no backward runs), no running statistics. It creates the
+Dynamo cache entry that the real calls then hit: the same code object, and guards that pass because the
+grad mode, autocast state and input metadata are the recorded ones. Random-number streams are shared, so a
+model with dropout draws different numbers than without the background compile (as with any extra call).
+
+Without Lightning::
+
+    applied = apply_policy(model, policy)
+    background = BackgroundCompile(applied)  # from here the regions run eagerly until compiled
+    for batch in loader:
+        background.poll()  # starts the compile after the first step, installs it when it is ready
+        train_step(batch)
+    background.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+import types
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from compile_trainer.apply import AppliedPolicy, CompiledRegion
+
+EAGER_BACKWARD_FLAG = "force_non_lazy_backward_lowering"
+
+
+class BackgroundCompileError(RuntimeError):
+    """A region failed to compile on the background thread."""
+
+
+def background_compile_problem() -> Optional[str]:
+    """Why background compilation cannot work with this torch, or None."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, EAGER_BACKWARD_FLAG):
+        return (
+            f"needs AOTAutograd to compile backward graphs with the forward (torch._functorch.config."
+            f"{EAGER_BACKWARD_FLAG}, present in torch 2.11 and 2.13), which torch {torch.__version__} lacks"
+        )
+    return None
+
+
+def shadow_module(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` that shares its parameters but owns copies of its buffers (recursively)."""
+    shadow = copy.copy(module)
+    shadow.__dict__["_buffers"] = {k: None if b is None else b.detach().clone() for k, b in module._buffers.items()}
+    shadow.__dict__["_modules"] = {k: None if m is None else shadow_module(m) for k, m in module._modules.items()}
+    return shadow
+
+
+def _copy_value(value: Any) -> Any:
+    """Tensors (also inside lists, tuples and dicts) copied with their strides, ``requires_grad`` and
+    Dynamo's shape marks (``mark_dynamic`` sets attributes on the tensor object); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        # the same strides (a slice of a batch is not contiguous): Dynamo guards on them
+        copied = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+        copied.copy_(value.detach()).requires_grad_(value.requires_grad)
+        for name, mark in vars(value).items():
+            if name.startswith("_dynamo"):
+                setattr(copied, name, copy.copy(mark))
+        return copied
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_copy_value(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _copy_value(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class RecordedCall:
+    """One call of a region, as the background thread replays it."""
+
+    module: nn.Module  # a shadow of the region
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    grad_enabled: bool
+    autocast: Dict[str, Tuple[bool, torch.dtype]]  # device type -> (enabled, dtype)
+    device: Optional[torch.device]
+
+    @classmethod
+    def record(cls, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> RecordedCall:
+        tensors = _flat_tensors((args, kwargs))
+        device_types = {"cpu"} | {t.device.type for t in tensors}
+        cuda = next((t for t in tensors if t.device.type == "cuda"), None)
+        return cls(
+            module=shadow_module(module),
+            args=_copy_value(args),
+            kwargs=_copy_value(kwargs),
+            grad_enabled=torch.is_grad_enabled(),
+            autocast={t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in sorted(device_types)},
+            device=cuda.device if cuda is not None else None,
+        )
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The grad mode and autocast state of the recorded call (thread-local state, so set per thread)."""
+        with contextlib.ExitStack() as stack:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device_type, (enabled, dtype) in self.autocast.items():
+                if enabled:  # a new thread starts with autocast off
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            yield
+
+    def replay(self, item: CompiledRegion) -> None:
+        """Compile ``item`` by calling its entry on the shadow; the result is dropped."""
+        compiled = torch.compile(types.MethodType(item.entry, self.module), **item.compile_kwargs)
+        with self.context():
+            compiled(*self.args, **self.kwargs)
+
+
+def _flat_tensors(values: Any) -> List[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _flat_tensors(v)]
+    if isinstance(values, dict):
+        return [t for v in values.values() for t in _flat_tensors(v)]
+    return []
+
+
+class BackgroundCompile:
+    """Defers ``applied``'s compiled regions: eager steps until a background thread has compiled them.
+
+    Each region's first call per mode (training or evaluation, grad on or off) is recorded, so an
+    evaluation before training (Lightning's sanity check) compiles in the background too. Call ``poll()``
+    at every step boundary (before the step): once a training call (grad on) is recorded it starts the
+    thread; once the thread is done it installs the compiled regions (or raises ``BackgroundCompileError``
+    naming the region that failed). Modes not seen before the thread started compile at their first call,
+    as usual. ``close()`` waits for a running thread.
+    """
+
+    def __init__(self, applied: AppliedPolicy):
+        problem = background_compile_problem()
+        if problem:
+            raise RuntimeError(f"background compile {problem}")
+        self.applied = applied
+        # (entry name, training, grad) -> the first such call; blocks of one class share an entry, and one graph
+        self.recorded: Dict[Tuple[str, bool, bool], Tuple[CompiledRegion, RecordedCall]] = {}
+        self.state = "recording"  # -> "compiling" -> "installed"
+        self.eager_steps = 0
+        self.compile_seconds: Optional[float] = None
+        self.compiled_after_seconds: Optional[float] = None  # from the first poll to the install
+        self._first_poll: Optional[float] = None
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[Tuple[str, BaseException]] = None
+        for item in applied.compiled:
+            item.stand_in = self._recorder(item)
+
+    def _recorder(self, item: CompiledRegion):
+        module = item.region.module
+
+        def record_and_run_eagerly(*args: Any, **kwargs: Any) -> Any:
+            key = (item.entry_name, module.training, torch.is_grad_enabled())
+            if self.state == "recording" and key not in self.recorded:
+                self.recorded[key] = (item, RecordedCall.record(module, args, kwargs))
+            return module._call_impl(*args, **kwargs)
+
+        return record_and_run_eagerly
+
+    @property
+    def installed(self) -> bool:
+        return self.state == "installed"
+
+    def poll(self) -> bool:
+        """Start or finish the background compile as far as it can go now; True once installed."""
+        now = time.perf_counter()
+        if self._first_poll is None:
+            self._first_poll = now
+        if self.state == "recording" and any(grad for _, _, grad in self.recorded):
+            self.state = "compiling"
+            self._thread = threading.Thread(target=self._compile, name="compile_trainer-background", daemon=True)
+            self._thread.start()
+        elif self.state == "compiling" and not self._thread.is_alive():
+            self._install(now)
+        if not self.installed:
+            self.eager_steps += 1
+        return self.installed
+
+    def wait(self) -> None:
+        """Block until the background compile is done, and install it."""
+        if self.state == "compiling":
+            self._thread.join()
+            self._install(time.perf_counter())
+
+    def close(self) -> None:
+        """End of training: wait for a running compile (a thread cannot be stopped), then install it."""
+        if self.state == "recording":  # never started: nothing was recorded, compile lazily as usual
+            self._set_stand_ins(None)
+            self.state = "installed"
+        self.wait()
+
+    def describe(self) -> str:
+        if self.compile_seconds is None:
+            return f"background compile: {self.state}, {self.eager_steps} eager steps so far"
+        return (
+            f"background compile: {len(self.recorded)} graphs in {self.compile_seconds:.1f} s on a thread, "
+            f"while {self.eager_steps} steps ran eagerly; compiled regions in use "
+            f"{self.compiled_after_seconds:.1f} s after the first step started"
+        )
+
+    def summary(self) -> Dict[str, Any]:
+        return {
+            "background_compile_s": self.compile_seconds,
+            "background_eager_steps": self.eager_steps,
+            "background_compiled_after_s": self.compiled_after_seconds,
+        }
+
+    def _compile(self) -> None:
+        started = time.perf_counter()
+        import torch._functorch.config as functorch_config
+
+        name = "?"
+        try:
+            # Compile backward graphs now, on this thread: lazily, they would compile inside the first real
+            # backward, on the autograd engine's thread, stalling training for seconds.
+            with functorch_config.patch({EAGER_BACKWARD_FLAG: True}):
+                for item, recorded in self.recorded.values():
+                    name = item.region.name
+                    recorded.replay(item)
+                    recorded.module, recorded.args, recorded.kwargs = None, (), {}  # free the copies
+        except BaseException as error:  # noqa: BLE001 - reported on the training thread by poll()
+            self._failure = (name, error)
+        self.compile_seconds = time.perf_counter() - started
+
+    def _install(self, now: float) -> None:
+        if self._failure is not None:
+            name, error = self._failure
+            self._failure = None
+            self.state = "failed"
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise BackgroundCompileError(
+                f"background compile of region {name!r} failed ({type(error).__name__}: {cause}); the model "
+                "ran eagerly until now. Compile it in the foreground (background: false) to debug."
+            ) from error
+        self._set_stand_ins(None)
+        self.state = "installed"
+        self.compiled_after_seconds = now - (self._first_poll or now)
+
+    def _set_stand_ins(self, stand_in: Any) -> None:
+        for item in self.applied.compiled:
+            item.stand_in = stand_in

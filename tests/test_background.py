@@ -1,0 +1,143 @@
+import copy
+import threading
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.callback import callback_handler
+from torch._dynamo.utils import counters
+
+from compile_trainer import CompileCallback, PolicyError, apply_policy, to_policy
+from compile_trainer.background import BackgroundCompile, BackgroundCompileError
+from tests.conftest import TINY_GPT, Wrapper
+from tests.test_apply import fit_tiny
+
+
+class CompileThreads:
+    """The thread each compile (Dynamo frame or lazy backward) starts on."""
+
+    def __init__(self):
+        self.names = []
+        callback_handler.register_start_callback(self._record)
+
+    def _record(self, *args):
+        self.names.append(threading.current_thread().name)
+
+    def remove(self):
+        callback_handler.remove_start_callback(self._record)
+
+
+def train(model, steps, background=None, on_step=None):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    batches = [torch.randint(0, TINY_GPT.vocab_size, (4, 9)) for _ in range(4)]
+    losses = []
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        if background is not None:
+            background.poll()
+        batch = batches[step % len(batches)]
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_regions_compile_on_a_thread_while_steps_run_eagerly_and_losses_match(tiny_gpt):
+    reference = copy.deepcopy(tiny_gpt)
+    expected = train(reference, 12)
+    applied = apply_policy(Wrapper(tiny_gpt), to_policy("regional", backend="aot_eager", background=True))
+    background = BackgroundCompile(applied)
+    threads = CompileThreads()
+    graphs_at_install = []
+
+    def wait_at_step_2(step):
+        if step == 2:
+            background.wait()  # deterministic for the test: steps 0-1 eager, compiled from step 2
+            graphs_at_install.append(counters["stats"]["unique_graphs"])
+
+    try:
+        losses = train(tiny_gpt, 12, background, wait_at_step_2)
+    finally:
+        threads.remove()
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert background.installed and background.eager_steps == 2
+    calls = {item.region.name: item.calls for item in applied.compiled}
+    assert calls.pop("head") == 0 and set(calls.values()) == {10}, "every model region compiled from step 2 on"
+    assert counters["stats"]["unique_graphs"] == graphs_at_install[0], "no compile after the install"
+    assert threads.names and set(threads.names) == {"compile_trainer-background"}, (
+        "forward and backward graphs all compiled on the background thread, none in a training step"
+    )
+    assert len(background.recorded) == 3, "one recorded call per compiled entry: embed, the blocks' one, head"
+
+
+class Normalized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_the_background_call_leaves_buffers_and_gradients_alone():
+    torch.manual_seed(0)
+    model = Normalized()
+    reference = copy.deepcopy(model)
+    background = BackgroundCompile(apply_policy(Wrapper(model), to_policy("full", backend="aot_eager")))
+    x = torch.randn(16, 4)
+    for net in (model, reference):
+        net(x).sum().backward()  # the first step: eager, recorded
+    background.poll()
+    background.wait()  # the thread ran the region once more, on a shadow
+    assert background.installed
+    for (name, mine), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(mine, theirs), f"{name} changed by the background compile"
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+
+
+def test_a_region_that_fails_to_compile_is_reported_at_the_next_step_with_its_name():
+    class Breaks(nn.Module):
+        def forward(self, x):
+            torch._dynamo.graph_break()
+            return x * 2
+
+    root = nn.Sequential(Breaks())
+    policy = to_policy({"rules": [{"name": "0", "fullgraph": True}], "backend": "eager", "background": True})
+    background = BackgroundCompile(apply_policy(root, policy))
+    root(torch.ones(2, requires_grad=True))
+    background.poll()
+    background._thread.join()
+    with pytest.raises(BackgroundCompileError, match=r"region '0' failed"):
+        background.poll()
+
+
+def test_background_with_bucket_warmup_is_refused_before_training():
+    with pytest.raises(PolicyError, match="background: true and shapes.warmup: true"):
+        to_policy("buckets", background=True)
+
+
+class WaitForBackground(pl.Callback):
+    """Makes the switch happen at a known step, so the test does not depend on the thread's speed."""
+
+    def __init__(self, compile_callback, step):
+        self.compile_callback, self.step = compile_callback, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.step - 1:
+            self.compile_callback.background.wait()
+
+
+def test_lightning_fit_switches_to_compiled_regions_and_matches_eager():
+    _, _, eager = fit_tiny(None, steps=6)
+    callback = CompileCallback(to_policy("regional", backend="aot_eager", background=True), print_plan=False)
+    _, _, losses = fit_tiny(None, steps=6, callbacks=[callback, WaitForBackground(callback, 2)])
+    assert losses == pytest.approx(eager, rel=1e-4)
+    assert callback.background.installed
+    assert callback.summary()["background_eager_steps"] == 2
+    assert all(item.calls == 4 for item in callback.applied.compiled)
