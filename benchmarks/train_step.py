@@ -222,7 +222,7 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
 
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     first_step = timed(device, lambda: step(0))
@@ -339,7 +339,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
 
 
 def finish(first_step, step_time, window, args, config, device, flops, losses) -> Dict[str, Any]:
-    from torch._dynamo.utils import calculate_time_spent, counters
+    from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
 
     steps = args.steps
     tokens = args.batch_size * config.block_size
@@ -352,6 +352,11 @@ def finish(first_step, step_time, window, args, config, device, flops, losses) -
         "mfu": flops / step_time / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
+        "recompile_reasons": [
+            f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
+            for m in get_compilation_metrics()
+            if not str(m.compile_id).endswith("/0")
+        ],
         "losses": [float(loss) for loss in losses[:5]],
         "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
     }

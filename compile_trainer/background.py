@@ -91,6 +91,7 @@ class RecordedCall:
     kwargs: Dict[str, Any]
     grad_enabled: bool
     autocast: Dict[str, Tuple[bool, torch.dtype]]  # device type -> (enabled, dtype)
+    autocast_cache: bool  # Dynamo guards on it too (Lightning's mixed precision turns it off)
     device: Optional[torch.device]
 
     @classmethod
@@ -104,19 +105,24 @@ class RecordedCall:
             kwargs=_copy_value(kwargs),
             grad_enabled=torch.is_grad_enabled(),
             autocast={t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in sorted(device_types)},
+            autocast_cache=torch.is_autocast_cache_enabled(),
             device=cuda.device if cuda is not None else None,
         )
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        """The grad mode and autocast state of the recorded call (thread-local state, so set per thread)."""
+        """The grad mode and autocast state of the recorded call (thread-local state, so set per thread):
+        Dynamo guards on them, and a difference would recompile at the first compiled step."""
         with contextlib.ExitStack() as stack:
             if self.device is not None:
                 torch.cuda.set_device(self.device)
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for device_type, (enabled, dtype) in self.autocast.items():
                 if enabled:  # a new thread starts with autocast off
-                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            cache = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(self.autocast_cache)
+            stack.callback(torch.set_autocast_cache_enabled, cache)
             yield
 
     def replay(self, item: CompiledRegion) -> None:

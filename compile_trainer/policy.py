@@ -174,6 +174,12 @@ def _check_background(where: str, policy: CompilePolicy) -> None:
     problem = background_compile_problem()
     if problem:
         raise PolicyError(f"{where}: background: true {problem}.")
+    nested = [index for index, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "nested"]
+    if nested:
+        raise PolicyError(
+            f"{where}: background: true with rest: nested (rule {nested[0]}) is not supported: compiling nested "
+            "regions on a background thread failed on an H100 (torch 2.11); use rest: compile, or background: false."
+        )
     if policy.shapes.warmup:
         raise PolicyError(
             f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "

@@ -170,7 +170,8 @@ class LanguageModel(pl.LightningModule):
         loss = self._loss(batch)
         # Not on the progress bar: showing it reads the value back every step, a device sync that
         # starves the GPU (28.9 vs 20.9 ms a step for GPT-2 small on an H100, docs/BENCHMARKS.md).
-        self.log("train/loss", loss)
+        # The batch size given, Lightning does not search the batch for it every step (host time).
+        self.log("train/loss", loss, batch_size=len(batch[0]))
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
