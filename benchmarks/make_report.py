@@ -93,7 +93,7 @@ def train_step_plot(result: Dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in rows:
         marker = "s" if row["loop"] == "lightning" else "o"
-        ax.scatter(row["first_step_s"], row["tokens_per_s"] / 1e3, marker=marker)
+        color = ax.scatter(row["first_step_s"], row["tokens_per_s"] / 1e3, marker=marker).get_facecolor()[0]
         ax.annotate(
             row["variant"],
             (row["first_step_s"], row["tokens_per_s"] / 1e3),
@@ -101,7 +101,12 @@ def train_step_plot(result: Dict[str, Any], path: Path) -> bool:
             xytext=(4, 3),
             textcoords="offset points",
         )
-    ax.set_xlabel("first step, fresh compile cache (s)")
+        if row.get("compiled_after_s"):  # a background compile: eager from the first step, compiled from here
+            ax.plot([row["first_step_s"], row["compiled_after_s"]], [row["tokens_per_s"] / 1e3] * 2, ":", color=color)
+            ax.scatter(
+                row["compiled_after_s"], row["tokens_per_s"] / 1e3, marker=marker, facecolors="none", edgecolors=color
+            )
+    ax.set_xlabel("first step, fresh compile cache (s); hollow: background compile in use")
     ax.set_ylabel("steady throughput (k tokens/s)")
     ax.set_title(f"Cold start vs throughput, {result['meta']['device']}")
     ax.grid(alpha=0.3)

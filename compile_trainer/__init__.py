@@ -1,6 +1,7 @@
 """compile_trainer: declared torch.compile policies for Lightning training."""
 
 from compile_trainer.apply import AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.background import BackgroundCompile, BackgroundCompileError
 from compile_trainer.callback import CompileCallback
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
 from compile_trainer.policy import CompilePolicy, OptimizerPolicy, PolicyError, Rule, to_policy
@@ -10,6 +11,8 @@ from compile_trainer.warmup import RecompileError
 
 __all__ = [
     "AppliedPolicy",
+    "BackgroundCompile",
+    "BackgroundCompileError",
     "BatchShaper",
     "CompileCallback",
     "CompilePlan",

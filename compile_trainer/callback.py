@@ -76,7 +76,8 @@ class CompileCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.policy.shapes.active:
-            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes)
+            phase = {"phase": self.telemetry.phase} if self.telemetry is not None else {}
+            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, **phase)
             if self.print_plan:
                 rank_zero_info(describe_shapes(self.policy.shapes))
 
@@ -96,7 +97,8 @@ class CompileCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.telemetry is not None:
-            self.telemetry.on_train_batch_end(trainer, batch)
+            compiling = self.background is not None and not self.background.installed
+            self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.telemetry is not None:

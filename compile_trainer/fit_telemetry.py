@@ -9,12 +9,13 @@ documented in ``docs/telemetry.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -154,6 +155,17 @@ class FitTelemetry:
         if self.compile is not None:
             self.compile.phase = phase
 
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Compiles inside are attributed to phase ``name``; the previous phase is restored after."""
+        previous = self.compile.phase if self.compile is not None else None
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                self.set_phase(previous)
+
     def on_train_batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         self.compile.ensure_installed()
         self.compile.phase, self.compile.step = "train", trainer.global_step
@@ -162,9 +174,11 @@ class FitTelemetry:
         self._compiles_at_start = self.compile.compile_count
         self.throughput.step_start()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, batch: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, batch: Any, compiling: bool = False) -> None:
+        """``compiling``: a compile was under way during the step elsewhere (a background compile), so the
+        step does not count as steady state either."""
         compiled = self.compile.compile_count != self._compiles_at_start
-        self.throughput.step_end(batch, compiled)
+        self.throughput.step_end(batch, compiled or compiling)
         if compiled:
             self.compile.collect()
         self._steps += 1

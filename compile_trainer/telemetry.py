@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 APPLY_FILE = str(Path(__file__).resolve().parent / "apply.py")
 OUTSIDE_REGIONS = "outside_regions"
+# Compiles in a phase named so (``shapes.warmup``: one graph per bucket, on purpose) are not recompiles.
+WARMUP_PHASE = "warm-up"
 EVENT_COLUMNS = ("kind", "region", "phase", "step", "compile_id", "reason", "location", "fix")
 
 
@@ -378,18 +380,20 @@ class CompileTelemetry:
             self._finished[record.compile_id] = record
         stats = self._stats(self._label(entry))
         stats.compile_time_s += record.seconds
+        recompile = attempt > 0 and not record.phase.startswith(WARMUP_PHASE)
         if record.trigger != "DYNAMO":
-            if attempt > 0:
+            if recompile:
                 stats.recompile_time_s += record.seconds
             return
         stats.compiles += 1
         stats.graphs += record.graphs
         self.unique_graphs += record.graphs
         if attempt > 0:
-            stats.recompiles += 1
-            stats.recompile_time_s += record.seconds
             reason = guard_text(getattr(metric, "recompile_reason", None)) or "unknown guard (no compilation metrics)"
-            self._event("recompile", stats.label, record, reason)
+            if recompile:
+                stats.recompiles += 1
+                stats.recompile_time_s += record.seconds
+                self._event("recompile", stats.label, record, reason)
             self._check_limit(frame, attempt, stats, reason)
         for item in record.breaks:
             self._graph_break(stats, record, item)

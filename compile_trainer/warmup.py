@@ -18,7 +18,7 @@ import inspect
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, CompiledRegion
 from compile_trainer.policy import PolicyError
 from compile_trainer.shapes import BatchShaper, ShapesPolicy
+from compile_trainer.telemetry import WARMUP_PHASE
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,19 @@ def _loss_of(output: Any) -> Optional[torch.Tensor]:
 class ShapeHooks:
     """Applies a policy's ``shapes`` section inside ``Trainer.fit``; ``remove()`` undoes it."""
 
-    def __init__(self, trainer: pl.Trainer, shapes: ShapesPolicy):
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        shapes: ShapesPolicy,
+        phase: Callable[[str], ContextManager[None]] = lambda name: contextlib.nullcontext(),
+    ):
         if shapes.warmup and not trainer.lightning_module.automatic_optimization:
             raise PolicyError(
                 "shapes.warmup runs training_step and backward for each bucket, which needs automatic "
                 "optimization; this module optimizes manually. Set shapes.warmup: false."
             )
         self.trainer, self.shapes = trainer, shapes
+        self.phase = phase  # names what compiles during warm-up (telemetry: not recompiles)
         self.shaper = BatchShaper(shapes)
         self.regions: Optional[RegionHooks] = None  # wrapped at the first batch, after the policy is applied
         self.warmed: Set[str] = set()
@@ -171,7 +178,11 @@ class ShapeHooks:
         strategy = self.trainer.strategy
         batches = self.shaper.warmup_batches(batch)
         started = time.perf_counter()
-        with preserved_training_state(module, module.device), logging_disabled(module):
+        with (
+            self.phase(f"{WARMUP_PHASE} ({stage})"),
+            preserved_training_state(module, module.device),
+            logging_disabled(module),
+        ):
             for warm_batch in batches:
                 if stage == "train":
                     with torch.enable_grad():

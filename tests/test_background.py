@@ -10,8 +10,14 @@ from torch import nn
 from torch._dynamo.callback import callback_handler
 from torch._dynamo.utils import counters
 
-from compile_trainer import CompileCallback, PolicyError, apply_policy, to_policy
-from compile_trainer.background import BackgroundCompile, BackgroundCompileError
+from compile_trainer import (
+    BackgroundCompile,
+    BackgroundCompileError,
+    CompileCallback,
+    PolicyError,
+    apply_policy,
+    to_policy,
+)
 from tests.conftest import TINY_GPT, Wrapper
 from tests.test_apply import fit_tiny
 
@@ -151,3 +157,19 @@ def test_lightning_fit_switches_to_compiled_regions_and_matches_eager():
     assert callback.background.installed
     assert callback.summary()["background_eager_steps"] == 2
     assert all(item.calls == 4 for item in callback.applied.compiled)
+    assert callback.summary()["steady_steps"] == 4, "the eager steps before the switch are not steady state"
+
+
+def test_evaluation_calls_are_not_compiled_in_the_background(tiny_gpt):
+    background = BackgroundCompile(apply_policy(Wrapper(tiny_gpt), to_policy("regional", backend="aot_eager")))
+    tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8))
+    tiny_gpt.eval()
+    with torch.no_grad():
+        tiny_gpt(tokens, tokens)  # as Lightning's sanity check before training
+    assert not background.poll() and background.state == "recording" and not background.recorded
+    tiny_gpt.train()
+    tiny_gpt(tokens, tokens)[1].backward()
+    background.poll()
+    assert background.state == "compiling" and len(background.recorded) == 3
+    background.close()
+    assert background.installed

@@ -200,3 +200,22 @@ def test_train_script_runs_buckets_on_the_variable_length_recipe(tmp_path):
     assert run.config["compile_policy"]["shapes"]["pad"]["buckets"] == [16, 32]
     losses = run.series("train/loss")
     assert len(losses) == 4 and all(0 < loss < 10 for loss in losses) and run.series("val/loss")
+
+
+def test_telemetry_counts_bucket_warm_up_compiles_as_compiles_not_recompiles():
+    callback = CompileCallback(to_policy("buckets", backend="eager", shapes=BUCKETS), print_plan=False)
+    trainer = pl.Trainer(
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accelerator="cpu",
+        callbacks=[callback],
+    )
+    trainer.fit(tiny_module(), datamodule=Stream(varying_stream(repeats=1)[:6]))
+    summary = callback.summary()
+    assert summary["unique_graphs"] == 4 * 3 and summary["compiles"] == 4 * 3, "4 buckets x 3 entries"
+    assert summary["recompiles"] == 0, "every bucket compiled on purpose during warm-up"
+    assert not [row for row in callback.telemetry.events() if row[0] == "recompile"]
