@@ -30,10 +30,11 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from compile_trainer.apply import AppliedPolicy, CompiledRegion
 
@@ -64,22 +65,15 @@ def shadow_module(module: nn.Module) -> nn.Module:
     return shadow
 
 
-def _copy_value(value: Any) -> Any:
-    """Tensors (also inside lists, tuples and dicts) copied with their strides, ``requires_grad`` and
-    Dynamo's shape marks (``mark_dynamic`` sets attributes on the tensor object); anything else as it is."""
-    if isinstance(value, torch.Tensor):
-        # the same strides (a slice of a batch is not contiguous): Dynamo guards on them
-        copied = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
-        copied.copy_(value.detach()).requires_grad_(value.requires_grad)
-        for name, mark in vars(value).items():
-            if name.startswith("_dynamo"):
-                setattr(copied, name, copy.copy(mark))
-        return copied
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_copy_value(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _copy_value(v) for k, v in value.items()}
-    return value
+def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides (a slice of a batch is not contiguous: Dynamo guards on strides),
+    ``requires_grad``, and Dynamo's shape marks (``mark_dynamic`` sets attributes on the tensor object)."""
+    copied = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    copied.copy_(tensor.detach()).requires_grad_(tensor.requires_grad)
+    for name, mark in vars(tensor).items():
+        if name.startswith("_dynamo"):
+            setattr(copied, name, copy.copy(mark))
+    return copied
 
 
 @dataclass
@@ -96,13 +90,13 @@ class RecordedCall:
 
     @classmethod
     def record(cls, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> RecordedCall:
-        tensors = _flat_tensors((args, kwargs))
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         device_types = {"cpu"} | {t.device.type for t in tensors}
         cuda = next((t for t in tensors if t.device.type == "cuda"), None)
         return cls(
             module=shadow_module(module),
-            args=_copy_value(args),
-            kwargs=_copy_value(kwargs),
+            args=tree_map_only(torch.Tensor, _copy_tensor, args),
+            kwargs=tree_map_only(torch.Tensor, _copy_tensor, kwargs),
             grad_enabled=torch.is_grad_enabled(),
             autocast={t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in sorted(device_types)},
             autocast_cache=torch.is_autocast_cache_enabled(),
@@ -130,16 +124,6 @@ class RecordedCall:
         compiled = torch.compile(types.MethodType(item.entry, self.module), **item.compile_kwargs)
         with self.context():
             compiled(*self.args, **self.kwargs)
-
-
-def _flat_tensors(values: Any) -> List[torch.Tensor]:
-    if isinstance(values, torch.Tensor):
-        return [values]
-    if isinstance(values, (list, tuple)):
-        return [t for v in values for t in _flat_tensors(v)]
-    if isinstance(values, dict):
-        return [t for v in values.values() for t in _flat_tensors(v)]
-    return []
 
 
 class BackgroundCompile:
