@@ -276,5 +276,7 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     lines = [header, *text_table(titles, [[str(row[c]) for c in columns] for row in rows])]
     groups = applied.shared_counts()
     lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
+    if applied.policy.background:
+        lines.append("compiled on a background thread while the first steps run eagerly (background: true)")
     lines += [f"note: {note}" for note in applied.notes]
     return "\n".join(lines)

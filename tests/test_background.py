@@ -16,6 +16,7 @@ from compile_trainer import (
     CompileCallback,
     PolicyError,
     apply_policy,
+    format_plan_table,
     to_policy,
 )
 from tests.conftest import TINY_GPT, Wrapper
@@ -155,6 +156,7 @@ def test_lightning_fit_switches_to_compiled_regions_and_matches_eager():
     _, _, losses = fit_tiny(None, steps=6, callbacks=[callback, WaitForBackground(callback, 2)])
     assert losses == pytest.approx(eager, rel=1e-4)
     assert callback.background.installed
+    assert "compiled on a background thread" in format_plan_table(callback.applied)
     assert callback.summary()["background_eager_steps"] == 2
     assert all(item.calls == 4 for item in callback.applied.compiled)
     assert callback.summary()["steady_steps"] == 4, "the eager steps before the switch are not steady state"
