@@ -460,31 +460,42 @@ def main() -> None:
         default="pinned",
         help="how the Lightning loop's batches arrive: a pinned-memory DataLoader, pageable, or already on the GPU",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval for the worker (GIL sharing with a background compile)",
+    )
     parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
     if args.worker:
+        if args.switch_interval:
+            sys.setswitchinterval(args.switch_interval)
         args.worker_out.write_text(json.dumps(run_worker(args.worker, args)))
         return
-    args.passthrough = [
-        f"--steps={args.steps}",
-        f"--warmup={args.warmup}",
-        f"--batch-size={args.batch_size}",
-        f"--backend={args.backend}",
-        f"--lightning-data={args.lightning_data}",
-        f"--max-eager-steps={args.max_eager_steps}",
-    ] + [
-        flag
-        for flag, on in (
-            ("--smoke", args.smoke),
-            ("--sync-debug", args.sync_debug),
-            ("--host-profile", args.host_profile),
-            ("--kernel-profile", args.kernel_profile),
-        )
-        if on
-    ]
+    args.passthrough = (
+        [
+            f"--steps={args.steps}",
+            f"--warmup={args.warmup}",
+            f"--batch-size={args.batch_size}",
+            f"--backend={args.backend}",
+            f"--lightning-data={args.lightning_data}",
+            f"--max-eager-steps={args.max_eager_steps}",
+        ]
+        + ([f"--switch-interval={args.switch_interval}"] if args.switch_interval else [])
+        + [
+            flag
+            for flag, on in (
+                ("--smoke", args.smoke),
+                ("--sync-debug", args.sync_debug),
+                ("--host-profile", args.host_profile),
+                ("--kernel-profile", args.kernel_profile),
+            )
+            if on
+        ]
+    )
     results: Dict[str, Dict[str, Any]] = {}
     for variant in args.variants:
         results[variant] = run_variant(variant, args)
