@@ -18,6 +18,7 @@ from compile_trainer.wandb_offline import read_offline_run
 from compile_trainer.warmup import RecompileError
 from recipes.data import TokenBatch
 from recipes.gpt import LanguageModel
+from tests.conftest import quiet_cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16}
@@ -204,16 +205,7 @@ def test_train_script_runs_buckets_on_the_variable_length_recipe(tmp_path):
 
 def test_telemetry_counts_bucket_warm_up_compiles_as_compiles_not_recompiles():
     callback = CompileCallback(to_policy("buckets", backend="eager", shapes=BUCKETS), print_plan=False)
-    trainer = pl.Trainer(
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        accelerator="cpu",
-        callbacks=[callback],
-    )
+    trainer = quiet_cpu_trainer(max_steps=6, callbacks=[callback])
     trainer.fit(tiny_module(), datamodule=Stream(varying_stream(repeats=1)[:6]))
     summary = callback.summary()
     assert summary["unique_graphs"] == 4 * 3 and summary["compiles"] == 4 * 3, "4 buckets x 3 entries"
