@@ -139,16 +139,16 @@ def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.T
 
 
 def policy_for(variant: str, backend: str):
-    from compile_trainer.policy import CompilePolicy, Rule
-
     base = variant.removesuffix(BACKGROUND).removesuffix(CUDAGRAPHS)
-    policy = _base_policy(base, backend, CompilePolicy, Rule)
+    policy = _base_policy(base, backend)
     policy.background = variant.endswith(BACKGROUND)
     policy.mode = "reduce-overhead" if variant.endswith(CUDAGRAPHS) else None
     return policy
 
 
-def _base_policy(variant: str, backend: str, CompilePolicy, Rule):
+def _base_policy(variant: str, backend: str):
+    from compile_trainer.policy import CompilePolicy, Rule
+
     if variant.endswith("nested"):
         rules = [Rule(**rule) for rule in NESTED_RULES]
         return CompilePolicy(name="regional_nested", backend=backend, rules=rules)

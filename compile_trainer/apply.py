@@ -42,6 +42,10 @@ class CompiledRegion:
     def entry_name(self) -> str:
         return self.entry.__name__
 
+    def compile_on(self, module: nn.Module) -> Callable[..., Any]:
+        """``torch.compile`` of the entry bound to ``module``: every module given here shares one cache entry."""
+        return torch.compile(types.MethodType(self.entry, module), **self.compile_kwargs)
+
 
 @dataclass
 class AppliedPolicy:
@@ -251,8 +255,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
         entry = _entry_function(type(region.module), key)
         item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs)
-        compiled = torch.compile(types.MethodType(entry, region.module), **kwargs)
-        region.module._compiled_call_impl = _region_call(item, compiled)
+        region.module._compiled_call_impl = _region_call(item, item.compile_on(region.module))
         applied.compiled.append(item)
         if region.role == "nested":
             _mark_nested_blocks(applied, root, region)

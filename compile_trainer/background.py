@@ -28,7 +28,6 @@ import contextlib
 import copy
 import threading
 import time
-import types
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
 
@@ -121,7 +120,7 @@ class RecordedCall:
 
     def replay(self, item: CompiledRegion) -> None:
         """Compile ``item`` by calling its entry on the shadow; the result is dropped."""
-        compiled = torch.compile(types.MethodType(item.entry, self.module), **item.compile_kwargs)
+        compiled = item.compile_on(self.module)
         with self.context():
             compiled(*self.args, **self.kwargs)
 
@@ -193,7 +192,7 @@ class BackgroundCompile:
     def close(self) -> None:
         """End of training: wait for a running compile (a thread cannot be stopped), then install it."""
         if self.state == "recording":  # never started: nothing was recorded, compile lazily as usual
-            self._set_stand_ins(None)
+            self._clear_stand_ins()
             self.state = "installed"
         self.wait()
 
@@ -240,10 +239,10 @@ class BackgroundCompile:
                 f"background compile of region {name!r} failed ({type(error).__name__}: {cause}); the model "
                 "ran eagerly until now. Compile it in the foreground (background: false) to debug."
             ) from error
-        self._set_stand_ins(None)
+        self._clear_stand_ins()
         self.state = "installed"
         self.compiled_after_seconds = now - (self._first_poll or now)
 
-    def _set_stand_ins(self, stand_in: Any) -> None:
+    def _clear_stand_ins(self) -> None:
         for item in self.applied.compiled:
-            item.stand_in = stand_in
+            item.stand_in = None
