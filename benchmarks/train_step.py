@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import json
 import math
 import os
@@ -24,7 +25,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -40,27 +41,40 @@ from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 
-# variant -> (loop, how it is compiled); "raw" is a plain PyTorch loop, "lightning" a Lightning Trainer.
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of training: the loop (a plain PyTorch loop or a Lightning Trainer) and how it compiles;
+    ``policy`` names a bundled compile policy, with ``overrides`` merged over it."""
+
+    loop: str
+    how: str
+    policy: Optional[str] = None
+    overrides: Tuple[Tuple[str, Any], ...] = ()
+
+
+NO_CUDA_GRAPHS = (("mode", None),)
 VARIANTS = {
-    "eager": ("raw", "none"),
-    "torch_compile": ("raw", "torch.compile(model)"),
-    "compile_regions": ("raw", "accelerate.utils.compile_regions(model)"),
-    "block_compile": ("raw", "block.compile() for each block"),
-    "policy_full": ("raw", "policy full"),
-    "policy_regional": ("raw", "policy regional"),
-    "policy_regional_lean": ("raw", "policy regional, no pointwise autotuning"),
-    "policy_nested": ("raw", "policy regional, rest: nested"),
-    "policy_full_background": ("raw", "policy full, compiled on a background thread"),
-    "policy_regional_background": ("raw", "policy regional, compiled on a background thread"),
-    "policy_nested_background": ("raw", "policy regional, rest: nested, compiled on a background thread"),
-    "policy_full_cudagraphs": ("raw", "policy full, mode reduce-overhead (CUDA graphs)"),
-    "lightning_full": ("lightning", "policy full"),
-    "lightning_regional": ("lightning", "policy regional"),
-    "lightning_full_background": ("lightning", "policy full, compiled on a background thread"),
-    "lightning_full_cudagraphs": ("lightning", "policy full, mode reduce-overhead (CUDA graphs)"),
+    "eager": Variant("raw", "none"),
+    "torch_compile": Variant("raw", "torch.compile(model)"),
+    "compile_regions": Variant("raw", "accelerate.utils.compile_regions(model)"),
+    "block_compile": Variant("raw", "block.compile() for each block"),
+    "policy_full": Variant("raw", "policy full", "full"),
+    "policy_full_cudagraphs": Variant("raw", "policy reduce_overhead (full, CUDA graphs)", "reduce_overhead"),
+    "policy_full_background": Variant("raw", "policy full_background", "full_background"),
+    "policy_regional": Variant("raw", "policy regional (CUDA graphs)", "regional"),
+    "policy_regional_background": Variant("raw", "policy regional_background", "regional_background"),
+    "policy_regional_no_cudagraphs": Variant("raw", "policy regional, default mode", "regional", NO_CUDA_GRAPHS),
+    "policy_regional_no_cudagraphs_background": Variant(
+        "raw", "policy regional_background, default mode", "regional_background", NO_CUDA_GRAPHS
+    ),
+    "policy_nested": Variant("raw", "policy regional_nested", "regional_nested"),
+    "lightning_full": Variant("lightning", "policy full", "full"),
+    "lightning_full_cudagraphs": Variant("lightning", "policy reduce_overhead", "reduce_overhead"),
+    "lightning_full_background": Variant("lightning", "policy full_background", "full_background"),
+    "lightning_regional": Variant("lightning", "policy regional (CUDA graphs)", "regional"),
+    "lightning_regional_background": Variant("lightning", "policy regional_background", "regional_background"),
 }
-BACKGROUND, CUDAGRAPHS = "_background", "_cudagraphs"
-NESTED_RULES = [{"name": "*", "action": "regional", "rest": "nested"}]
 
 
 class SyncRecorder:
@@ -139,50 +153,34 @@ def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.T
 
 
 def policy_for(variant: str, backend: str):
-    base = variant.removesuffix(BACKGROUND).removesuffix(CUDAGRAPHS)
-    policy = _base_policy(base, backend)
-    policy.background = variant.endswith(BACKGROUND)
-    policy.mode = "reduce-overhead" if variant.endswith(CUDAGRAPHS) else None
-    return policy
+    from compile_trainer.policy import to_policy
+
+    return to_policy(VARIANTS[variant].policy, backend=backend, **dict(VARIANTS[variant].overrides))
 
 
-def _base_policy(variant: str, backend: str):
-    from compile_trainer.policy import CompilePolicy, Rule
-
-    if variant.endswith("nested"):
-        rules = [Rule(**rule) for rule in NESTED_RULES]
-        return CompilePolicy(name="regional_nested", backend=backend, rules=rules)
-    if variant.endswith("regional") or variant.endswith("regional_lean"):
-        options = {"triton.autotune_pointwise": False} if variant.endswith("lean") and backend == "inductor" else {}
-        rules = [Rule(name="*", action="regional", rest="compile")]
-        return CompilePolicy(name="regional", backend=backend, options=options, rules=rules)
-    return CompilePolicy(name="full", backend=backend, rules=[Rule(name="*", action="full")])
-
-
-def prepare_raw(variant: str, model: GPT, backend: str) -> Tuple[Callable[..., Any], Any]:
-    """Compile ``model`` as the variant says; return the callable the loop runs and the background
-    compile to poll at each step (None unless the variant compiles in the background)."""
+def prepare_raw(variant: str, model: GPT, backend: str) -> Tuple[Callable[..., Any], Any, Any]:
+    """Compile ``model`` as the variant says; return the callable the loop runs, the applied policy (None
+    for the peers) and the background compile to poll at each step (None unless the variant has one)."""
     if variant == "torch_compile":
-        return torch.compile(model, backend=backend), None
+        return torch.compile(model, backend=backend), None, None
     if variant == "compile_regions":
         from accelerate.utils import compile_regions
 
-        return compile_regions(model, backend=backend), None
+        return compile_regions(model, backend=backend), None, None
     if variant == "block_compile":
         for block in model.blocks:
             block.compile(backend=backend)
-    if variant.startswith("policy_"):
+    if VARIANTS[variant].policy:
         from torch import nn
 
         from compile_trainer.apply import apply_policy
         from compile_trainer.background import BackgroundCompile
-        from compile_trainer.policy import validate_policy
 
         holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
-        policy = validate_policy(policy_for(variant, backend))
+        policy = policy_for(variant, backend)
         applied = apply_policy(holder, policy)
-        return model, BackgroundCompile(applied) if policy.background else None
-    return model, None
+        return model, applied, BackgroundCompile(applied) if policy.background else None
+    return model, None, None
 
 
 def make_module(config: GPTConfig, device: torch.device) -> LanguageModel:
@@ -209,12 +207,14 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     flops = measure_flops(model, batches[0], autocast)
     optimizers = module.configure_optimizers()  # the same AdamW groups and schedule as under Lightning
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
-    run, background = prepare_raw(variant, model, args.backend)
+    run, applied, background = prepare_raw(variant, model, args.backend)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
         if background is not None:
             background.poll()
+        if applied is not None:
+            applied.begin_step()
         batch = batches[index % len(batches)]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             _, loss = run(batch[:, :-1], batch[:, 1:])
@@ -365,8 +365,7 @@ def finish(first_step, step_time, window, args, config, device, flops, losses) -
 def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     config = SMOKE if args.smoke else GPT2_SMALL
-    loop, _ = VARIANTS[variant]
-    runner = run_raw if loop == "raw" else run_lightning
+    runner = run_raw if VARIANTS[variant].loop == "raw" else run_lightning
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     return runner(variant, args, config, device)
@@ -385,8 +384,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             tail = (timeout.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
             return {"error": f"timed out after {args.variant_timeout} s | " + " | ".join(tail)[-300:]}
         if proc.returncode != 0 or not out.exists():
+            args.out.with_name(f"{args.out.stem}.{variant}.log").write_text(proc.stdout + proc.stderr)
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return {"error": " | ".join(tail)[-300:]}
+            return {"error": f"exit code {proc.returncode} | " + " | ".join(tail)[-300:]}
         result = json.loads(out.read_text())
         result["process_s"] = time.perf_counter() - started
         return result
@@ -397,8 +397,7 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     whole = results.get("torch_compile", {})
     rows = []
     for variant, result in results.items():
-        loop, how = VARIANTS[variant]
-        row: Dict[str, Any] = {"variant": variant, "loop": loop, "compiled": how}
+        row: Dict[str, Any] = {"variant": variant, "loop": VARIANTS[variant].loop, "compiled": VARIANTS[variant].how}
         if "error" in result:
             rows.append(row | {"error": result["error"]})
             continue
@@ -471,6 +470,8 @@ def main() -> None:
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
     if args.worker:
+        faulthandler.enable(all_threads=True)  # a crash or a hang shows every thread's Python stack
+        faulthandler.dump_traceback_later(args.variant_timeout - 10, exit=True)
         if args.switch_interval:
             sys.setswitchinterval(args.switch_interval)
         args.worker_out.write_text(json.dumps(run_worker(args.worker, args)))
@@ -483,6 +484,7 @@ def main() -> None:
             f"--backend={args.backend}",
             f"--lightning-data={args.lightning_data}",
             f"--max-eager-steps={args.max_eager_steps}",
+            f"--variant-timeout={args.variant_timeout}",
         ]
         + ([f"--switch-interval={args.switch_interval}"] if args.switch_interval else [])
         + [

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from compile_trainer.backends import CompileOnlyBackend
 from compile_trainer.policy import CompilePolicy, CompileSettings, PolicyError
 from compile_trainer.selection import CompilePlan, Region, resolve_plan
 from compile_trainer.tables import text_table
@@ -35,6 +36,8 @@ class CompiledRegion:
     entry: types.FunctionType  # the top frame Dynamo compiles; its code name is what Dynamo reports
     compile_kwargs: Dict[str, Any]
     calls: int = 0
+    # Compiled by a background thread: with a backend whose graphs it can compile without running them.
+    background: bool = False
     # Runs instead of the compiled region while set (a background compile records inputs and runs eagerly).
     stand_in: Optional[Callable[..., Any]] = None
 
@@ -44,7 +47,11 @@ class CompiledRegion:
 
     def compile_on(self, module: nn.Module) -> Callable[..., Any]:
         """``torch.compile`` of the entry bound to ``module``: every module given here shares one cache entry."""
-        return torch.compile(types.MethodType(self.entry, module), **self.compile_kwargs)
+        kwargs = dict(self.compile_kwargs)
+        if self.background:
+            backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
+            kwargs["backend"] = CompileOnlyBackend(*backend)
+        return torch.compile(types.MethodType(self.entry, module), **kwargs)
 
 
 @dataclass
@@ -59,6 +66,22 @@ class AppliedPolicy:
     # block class -> its own ``forward`` before it was marked as a nested compile region (None: inherited)
     nested_classes: Dict[type, Optional[Callable[..., Any]]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return any(_uses_cuda_graphs(item.compile_kwargs) for item in self.compiled)
+
+    def begin_step(self) -> None:
+        """Call before each training or evaluation step (``CompileCallback`` does).
+
+        With CUDA graphs, a step's outputs live in a memory pool that the next step's replays overwrite;
+        PyTorch starts a new step when a compiled function is called again, which is wrong as soon as one
+        step calls several regions (the second block would overwrite the first block's saved outputs).
+        Marking the step makes the boundary explicit. Does nothing without CUDA graphs, or while a
+        background compile runs the regions eagerly.
+        """
+        if self.uses_cuda_graphs and any(item.stand_in is None for item in self.compiled):
+            torch.compiler.cudagraph_mark_step_begin()
 
     def shared_counts(self) -> Dict[str, int]:
         """How many regions share each compiled entry (and so one compiled graph)."""
@@ -161,6 +184,10 @@ def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dic
     return kwargs, notes
 
 
+def _uses_cuda_graphs(kwargs: Dict[str, Any]) -> bool:
+    return kwargs["mode"] == "reduce-overhead" or bool((kwargs["options"] or {}).get("triton.cudagraphs"))
+
+
 def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return module._call_impl(*args, **kwargs)
 
@@ -241,20 +268,23 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     if not policy.enabled:
         setattr(root, APPLIED_ATTR, applied)
         return applied
-    planned = []
+    planned, noted = [], {}  # note -> the regions it applies to
     for region in plan.regions:  # every check before anything is compiled
         kwargs, notes = compile_kwargs(region.settings, device)
-        applied.notes += [f"{region.name}: {note}" for note in notes if note not in applied.notes]
+        for note in notes:
+            noted.setdefault(note, []).append(region.name)
         if region.role == "nested":
             _check_nested(region, kwargs, device)
         planned.append((region, kwargs))
+    for note, names in noted.items():
+        applied.notes.append(f"{'all regions' if len(names) == len(plan.regions) else ', '.join(names)}: {note}")
     torch._dynamo.config.recompile_limit = policy.recompile_limit
     for region, kwargs in planned:
         # Blocks of one class share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
         key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
         entry = _entry_function(type(region.module), key)
-        item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs)
+        item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs, background=policy.background)
         region.module._compiled_call_impl = _region_call(item, item.compile_on(region.module))
         applied.compiled.append(item)
         if region.role == "nested":

@@ -2,15 +2,17 @@
 
 A cold compile of a large model costs tens of seconds before the first step; compiling less (regional
 compilation) only shortens it. Compiling on a thread hides it instead: the first step runs eagerly and
-records each region's inputs, a thread then compiles every region by calling it once with copies of them
+records each region's inputs, a thread then compiles every region by calling it with copies of them
 (the forward graph and, eagerly, the backward graph), training goes on eagerly meanwhile, and at the first
 step boundary after the thread is done the compiled regions take over.
 
-The thread's call runs on a shadow of the region (the same parameters, copies of its buffers), so it
-changes nothing the training sees: no gradients (no backward runs), no running statistics. It creates the
-Dynamo cache entry that the real calls then hit: the same code object, and guards that pass because the
-grad mode, autocast state and input metadata are the recorded ones. Random-number streams are shared, so a
-model with dropout draws different numbers than without the background compile (as with any extra call).
+The thread's call compiles but does not run the compiled graph (``compile_trainer.backends``): nothing
+runs on the GPU from that thread, no random numbers are drawn, no activations are held. It calls a shadow
+of the region (the same parameters, its own module objects and buffers), so that a mode switch on the
+training thread (``model.eval()`` for validation) cannot change what is traced. It creates the Dynamo
+cache entry that the real calls then hit: the same code object and backend, and guards that pass because
+the grad mode, autocast state and input metadata are the recorded ones. Kernel autotuning and, with CUDA
+graphs, warm-up and recording happen at the first compiled step, on the training thread.
 
 Without Lightning::
 
@@ -36,6 +38,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from compile_trainer.apply import AppliedPolicy, CompiledRegion
+from compile_trainer.backends import CompiledNotRun, compile_only
 
 EAGER_BACKWARD_FLAG = "force_non_lazy_backward_lowering"
 
@@ -119,9 +122,12 @@ class RecordedCall:
             yield
 
     def replay(self, item: CompiledRegion) -> None:
-        """Compile ``item`` by calling its entry on the shadow; the result is dropped."""
+        """Compile ``item`` by calling its entry on the shadow, up to where its first graph would run.
+
+        A region with graph breaks gets its first graph compiled here, the rest at their first real call.
+        """
         compiled = item.compile_on(self.module)
-        with self.context():
+        with self.context(), compile_only(), contextlib.suppress(CompiledNotRun):
             compiled(*self.args, **self.kwargs)
 
 
@@ -175,6 +181,10 @@ class BackgroundCompile:
             self._first_poll = now
         if self.state == "recording" and self.recorded:
             self.state = "compiling"
+            if self.applied.uses_cuda_graphs:
+                # CUDA graph trees create their per-thread state on the thread that imports them; the
+                # training thread runs the graphs, and torch 2.11 fails on a thread without that state.
+                import torch._inductor.cudagraph_trees  # noqa: F401
             self._thread = threading.Thread(target=self._compile, name="compile_trainer-background", daemon=True)
             self._thread.start()
         elif self.state == "compiling" and not self._thread.is_alive():

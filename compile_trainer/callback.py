@@ -92,6 +92,7 @@ class CompileCallback(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if self.background is not None and not self.background.installed and self.background.poll():
             _log_background(trainer, self.background)
+        self.applied.begin_step()
         if self.telemetry is not None:
             self.telemetry.on_train_batch_start(trainer, batch)
 
@@ -103,6 +104,10 @@ class CompileCallback(pl.Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.telemetry is not None:
             self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        if self.applied is not None:  # None in trainer.validate() without a fit: nothing was compiled
+            self.applied.begin_step()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.background is not None and not self.background.installed:

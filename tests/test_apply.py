@@ -1,3 +1,5 @@
+import copy
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -161,3 +163,19 @@ def test_nested_blocks_refused_where_they_are_not_safe(tiny_gpt):
     with pytest.raises(PolicyError, match="needs an AOT backend"):
         policy = {"rules": [{"name": "model", "action": "regional", "rest": "nested"}], "backend": "eager"}
         apply_policy(Wrapper(tiny_gpt), to_policy(policy))
+
+
+def test_cuda_graph_policies_mark_where_each_step_begins(tiny_gpt):
+    """With CUDA graphs, a step that calls several regions must be marked, or the second block's replay
+    overwrites outputs the first block saved for backward. Compilation is lazy: nothing runs on a GPU here."""
+    from torch._inductor.cudagraph_trees import MarkStepBox
+
+    on_gpu = apply_policy(Wrapper(tiny_gpt), to_policy("regional"), device=torch.device("cuda"))
+    on_cpu = apply_policy(Wrapper(copy.deepcopy(tiny_gpt)), to_policy("regional"))
+    assert on_gpu.uses_cuda_graphs and not on_cpu.uses_cuda_graphs
+    assert any("needs a GPU" in note for note in on_cpu.notes)
+    before = MarkStepBox.mark_step_counter
+    on_cpu.begin_step()
+    assert MarkStepBox.mark_step_counter == before
+    on_gpu.begin_step()
+    assert MarkStepBox.mark_step_counter == before - 1

@@ -52,10 +52,11 @@ def test_bad_policies_fail_with_what_is_valid(spec, message):
 
 @pytest.mark.parametrize("name", bundled_policy_names())
 def test_every_bundled_policy_composes_through_hydra(name):
-    assert {"none", "full", "regional", "full_background", "max_autotune", "reduce_overhead"} <= set(
-        bundled_policy_names()
-    )
+    bundled = {"none", "full", "regional", "regional_background", "full_background", "max_autotune", "reduce_overhead"}
+    assert bundled <= set(bundled_policy_names())
     assert to_policy("full_background").background and not to_policy("full").background
+    assert to_policy("regional_background").background and not to_policy("regional").background
+    assert to_policy("regional").mode == to_policy("regional_background").mode == "reduce-overhead"
     first_line = (CONF / "compile" / f"{name}.yaml").read_text().splitlines()[0]
     assert first_line.startswith(f"# {name}:"), "each bundled policy starts with a one-line description"
     with initialize_config_dir(str(CONF), version_base="1.3"):
