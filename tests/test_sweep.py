@@ -166,6 +166,8 @@ def test_every_run_of_the_bundled_sweeps_composes_and_validates(hydra_compose, n
         overrides = [f"{key}={value}" for key, value in zip(params, values)]
         run = hydra_compose("config", overrides=[f"+sweep={name}", *overrides])
         assert to_policy(run.compile).name == run.compile.name
+        if name == "dynamic_vs_buckets":  # variable-length batches: no CUDA graph per batch shape
+            assert run.compile.mode is None
 
 
 def test_wandb_sweep_yaml_drives_train_py_through_hydra_overrides(hydra_compose):
