@@ -206,8 +206,10 @@ def validate_optimizer_policy(optimizer: OptimizerPolicy, where: str = "optimize
 
 
 def bundled_policy_dir() -> Path:
-    """``conf/compile`` of this checkout or installation."""
-    return Path(__file__).resolve().parent.parent / "conf" / "compile"
+    """``conf/compile``: of this checkout, or of the installed package (a wheel ships ``conf`` inside it)."""
+    package = Path(__file__).resolve().parent
+    checkout = package.parent / "conf" / "compile"
+    return checkout if checkout.is_dir() else package / "conf" / "compile"
 
 
 def bundled_policy_names() -> List[str]:
