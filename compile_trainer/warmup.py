@@ -23,6 +23,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 import lightning.pytorch as pl
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, CompiledRegion
 from compile_trainer.policy import PolicyError
@@ -81,16 +82,18 @@ class RegionHooks:
             except RuntimeError as error:
                 if STANCE_MESSAGE not in str(error):
                     raise
-                raise RecompileError(self._describe(item, mode, error)) from error
+                raise RecompileError(self._describe(item, mode, error, (args, kwargs))) from error
 
         return call
 
-    def _describe(self, item: CompiledRegion, mode: Tuple[bool, bool], error: RuntimeError) -> str:
+    def _describe(self, item: CompiledRegion, mode: Tuple[bool, bool], error: RuntimeError, inputs: Any) -> str:
         sharing = [c.region.name for c in self.applied.compiled if c.entry_name == item.entry_name]
         shared = f" (its graph is shared by {', '.join(sharing)})" if len(sharing) > 1 else ""
+        shapes = ", ".join(str(tuple(t.shape)) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))
         return (
             f"strict_recompiles: compiled region {item.region.name!r} ({item.region.class_name}){shared} would "
-            f"recompile in {mode_name(mode)} after warm-up. Dynamo says: {error}\n"
+            f"recompile in {mode_name(mode)} after warm-up, called with tensors of shape {shapes}. "
+            f"Dynamo says: {error}\n"
             "Declare this shape in the compile policy (a bucket in shapes.pad, a dimension in shapes.dynamic), "
             "or turn shapes.strict_recompiles off."
         )

@@ -5,6 +5,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from compile_trainer.background import background_compile_problem
 from compile_trainer.configs import register_configs
 from compile_trainer.policy import CompilePolicy, PolicyError, Rule, bundled_policy_names, to_policy
 
@@ -54,15 +55,17 @@ def test_bad_policies_fail_with_what_is_valid(spec, message):
 def test_every_bundled_policy_composes_through_hydra(name):
     bundled = {"none", "full", "regional", "regional_background", "full_background", "max_autotune", "reduce_overhead"}
     assert bundled <= set(bundled_policy_names())
-    assert to_policy("full_background").background and not to_policy("full").background
-    assert to_policy("regional_background").background and not to_policy("regional").background
-    assert to_policy("regional").mode == to_policy("regional_background").mode == "reduce-overhead"
+    assert not to_policy("full").background and to_policy("regional").mode == "reduce-overhead"
     first_line = (CONF / "compile" / f"{name}.yaml").read_text().splitlines()[0]
     assert first_line.startswith(f"# {name}:"), "each bundled policy starts with a one-line description"
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"compile={name}"])
+    if cfg.compile.background and background_compile_problem():  # torch < 2.11: refused, saying why
+        with pytest.raises(PolicyError, match="force_non_lazy_backward_lowering"):
+            to_policy(OmegaConf.to_container(cfg.compile, resolve=True))
+        return
     policy = to_policy(OmegaConf.to_container(cfg.compile, resolve=True))
-    assert policy.name == name
+    assert policy.name == name and policy.background == name.endswith("_background")
     assert policy == to_policy(name)
 
 
