@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
+from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
 from recipes.data import StdlibTextDataModule
@@ -179,3 +180,33 @@ def test_cuda_graph_policies_mark_where_each_step_begins(tiny_gpt):
     assert MarkStepBox.mark_step_counter == before
     on_gpu.begin_step()
     assert MarkStepBox.mark_step_counter == before - 1
+
+
+class LinearRegression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+    def training_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_the_callback_marks_every_training_and_validation_step_for_cuda_graphs():
+    """Inductor with CUDA graphs asked for: on the CPU they are skipped, but the steps are still marked."""
+    from torch._inductor.cudagraph_trees import MarkStepBox
+
+    torch.manual_seed(0)
+    data = DataLoader([(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)], batch_size=None)
+    policy = {"options": {"triton.cudagraphs": True}, "rules": [{"name": "net", "action": "full"}]}
+    callback = CompileCallback(policy, print_plan=False, telemetry=False)
+    before = MarkStepBox.mark_step_counter
+    trainer = quiet_cpu_trainer(max_steps=3, limit_val_batches=2, num_sanity_val_steps=0, callbacks=[callback])
+    trainer.fit(LinearRegression(), train_dataloaders=data, val_dataloaders=data)
+    assert callback.applied.uses_cuda_graphs
+    assert before - MarkStepBox.mark_step_counter == 3 + 2, "3 training and 2 validation batches"
