@@ -62,8 +62,32 @@ class TokenWindows(Dataset):
         return TokenBatch(window[:-1], window[1:])
 
 
-class StdlibTextDataModule(pl.LightningDataModule):
-    """Byte-level language modelling on the standard library's source; the last files are validation."""
+class StdlibSourceDataModule(pl.LightningDataModule):
+    """The standard library's source as training text, its last files (``val_fraction``) as validation;
+    subclasses turn each part's texts into a dataset (``make_dataset``) and batch it."""
+
+    def __init__(
+        self, block_size: int, batch_size: int, max_bytes: int, val_fraction: float, num_workers: int, seed: int
+    ):
+        super().__init__()
+        self.block_size, self.batch_size = block_size, batch_size
+        self.max_bytes, self.val_fraction = max_bytes, val_fraction
+        self.num_workers, self.seed = num_workers, seed
+        self.train_set: Optional[Dataset] = None
+        self.val_set: Optional[Dataset] = None
+
+    def make_dataset(self, texts: List[bytes]) -> Dataset:
+        raise NotImplementedError
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_set is not None:
+            return
+        train_texts, val_texts = split_train_val(self.max_bytes, self.val_fraction)
+        self.train_set, self.val_set = self.make_dataset(train_texts), self.make_dataset(val_texts)
+
+
+class StdlibTextDataModule(StdlibSourceDataModule):
+    """Byte-level language modelling on the standard library's source, in windows of ``block_size``."""
 
     def __init__(
         self,
@@ -74,23 +98,10 @@ class StdlibTextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
     ):
-        super().__init__()
-        self.block_size, self.batch_size = block_size, batch_size
-        self.max_bytes, self.val_fraction = max_bytes, val_fraction
-        self.num_workers, self.seed = num_workers, seed
-        self.train_set: Optional[TokenWindows] = None
-        self.val_set: Optional[TokenWindows] = None
+        super().__init__(block_size, batch_size, max_bytes, val_fraction, num_workers, seed)
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_set is not None:
-            return
-        train_texts, val_texts = split_train_val(self.max_bytes, self.val_fraction)
-
-        def to_tokens(parts: List[bytes]) -> torch.Tensor:
-            return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-
-        self.train_set = TokenWindows(to_tokens(train_texts), self.block_size)
-        self.val_set = TokenWindows(to_tokens(val_texts), self.block_size)
+    def make_dataset(self, texts: List[bytes]) -> TokenWindows:
+        return TokenWindows(torch.frombuffer(bytearray(b"".join(texts)), dtype=torch.uint8), self.block_size)
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
@@ -196,7 +207,7 @@ class LengthGroupedBatches(Sampler[List[int]]):
         return full if self.drop_last or not rest else full + 1
 
 
-class StdlibParagraphsDataModule(pl.LightningDataModule):
+class StdlibParagraphsDataModule(StdlibSourceDataModule):
     """Variable-length language modelling: one paragraph of standard-library source per sample, at most
     ``block_size`` tokens, batched with similar lengths and padded to the batch's longest. The last files
     are validation, batched by ``val_batch_size`` (``batch_size`` if not given)."""
@@ -216,21 +227,13 @@ class StdlibParagraphsDataModule(pl.LightningDataModule):
         seed: int = 0,
         collate_fn: Optional[Callable[[List[TokenBatch]], TokenBatch]] = None,
     ):
-        super().__init__()
-        self.block_size, self.batch_size = block_size, batch_size
+        super().__init__(block_size, batch_size, max_bytes, val_fraction, num_workers, seed)
         self.val_batch_size = val_batch_size or batch_size
-        self.min_length, self.max_bytes, self.val_fraction = min_length, max_bytes, val_fraction
-        self.drop_last, self.num_workers, self.seed = drop_last, num_workers, seed
+        self.min_length, self.drop_last = min_length, drop_last
         self.collate_fn = collate_fn or PadToLongest(pad_token_id, ignore_index)
-        self.train_set: Optional[Paragraphs] = None
-        self.val_set: Optional[Paragraphs] = None
 
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_set is not None:
-            return
-        train_texts, val_texts = split_train_val(self.max_bytes, self.val_fraction)
-        self.train_set = Paragraphs(train_texts, self.block_size, self.min_length)
-        self.val_set = Paragraphs(val_texts, self.block_size, self.min_length)
+    def make_dataset(self, texts: List[bytes]) -> Paragraphs:
+        return Paragraphs(texts, self.block_size, self.min_length)
 
     def _loader(self, dataset: Paragraphs, batch_size: int, shuffle: bool) -> DataLoader:
         sampler = LengthGroupedBatches(dataset.lengths(), batch_size, shuffle, self.drop_last, self.seed)
