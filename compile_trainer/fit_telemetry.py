@@ -281,6 +281,8 @@ class FitTelemetry:
             f"  compile time {show('compile_time_s', unit=' s')}, {summary['recompiles']} recompiles, "
             f"{summary['graph_breaks']} graph breaks, {summary['unique_graphs']} graphs",
         ]
+        if summary["cudagraph_skips"]:
+            lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
         return "\n".join(lines)
 
 

@@ -51,6 +51,11 @@ def _dynamo_callbacks():
     return callback_handler
 
 
+def _cudagraph_skips() -> int:
+    """Graphs Inductor compiled for CUDA graphs and then ran without them (process-wide counter)."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
 def _graph_break_reasons() -> list:
     reasons = getattr(torch._dynamo.utils, "graph_break_reasons", None)
     if reasons is None:  # pragma: no cover - present from torch 2.0 to 2.13 at least
@@ -80,6 +85,11 @@ def guard_text(recompile_reason: Optional[str]) -> str:
 def suggest_fix(kind: str, reason: str) -> str:
     """Which knob fixes an event: a policy setting, a rule, or a change in the model's code."""
     text = reason.lower()
+    if kind == "cudagraph_skip":
+        return (
+            "CUDA graphs need a graph on the GPU without CPU tensors or mutated inputs; "
+            "move what Inductor names out of the region (an `eager` rule), or drop `mode: reduce-overhead` for it"
+        )
     if kind == "eager_fallback":
         if "graph break in loop" in text:
             return (
@@ -125,9 +135,10 @@ def suggest_fix(kind: str, reason: str) -> str:
 
 @dataclass
 class CompileEvent:
-    """A recompile, a graph break, a frame that fell back to eager, or a region hitting the recompile limit."""
+    """A recompile, a graph break, a frame that fell back to eager, a region hitting the recompile limit, or a
+    graph that runs without the CUDA graphs its policy asked for."""
 
-    kind: str  # "recompile", "graph_break", "eager_fallback", "recompile_limit"
+    kind: str  # "recompile", "graph_break", "eager_fallback", "recompile_limit", "cudagraph_skip"
     region: str
     phase: str
     step: Optional[int]
@@ -170,6 +181,7 @@ class RegionStats:
     recompile_time_s: float = 0.0  # the part of compile_time_s spent in recompiles
     graph_breaks: int = 0
     limit_hits: int = 0
+    cudagraph_skips: int = 0  # graphs asked to use CUDA graphs that run without them
 
 
 @dataclass
@@ -184,9 +196,11 @@ class _Compile:
     started: float
     breaks_before: int
     graphs_before: int
+    cudagraph_skips_before: int
     seconds: float = 0.0
     graphs: int = 0
     breaks: list = field(default_factory=list)
+    cudagraph_skips: int = 0
 
 
 def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List[str]]]:
@@ -290,6 +304,7 @@ class CompileTelemetry:
             started=time.perf_counter(),
             breaks_before=len(_graph_break_reasons()),
             graphs_before=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+            cudagraph_skips_before=_cudagraph_skips(),
         )
         self.compile_count += 1
 
@@ -299,6 +314,7 @@ class CompileTelemetry:
             return
         record.seconds = time.perf_counter() - record.started
         record.graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - record.graphs_before
+        record.cudagraph_skips = _cudagraph_skips() - record.cudagraph_skips_before
         reasons = _graph_break_reasons()
         record.breaks = list(reasons[record.breaks_before :]) if len(reasons) >= record.breaks_before else []
         self.compile_time_s += record.seconds
@@ -380,6 +396,8 @@ class CompileTelemetry:
             self._finished[record.compile_id] = record
         stats = self._stats(self._label(entry))
         stats.compile_time_s += record.seconds
+        if record.cudagraph_skips:
+            self._cudagraph_skip(stats, record, metric)
         recompile = attempt > 0 and not record.phase.startswith(WARMUP_PHASE)
         if record.trigger != "DYNAMO":
             if recompile:
@@ -416,6 +434,14 @@ class CompileTelemetry:
         )
         self.events.append(event)
         return event
+
+    def _cudagraph_skip(self, stats: RegionStats, record: _Compile, metric: Any) -> None:
+        stats.cudagraph_skips += record.cudagraph_skips
+        reason = str(getattr(metric, "cudagraph_skip_reason", None) or "") or (
+            "reason not reported by Inductor (it reports it only for graphs on a CUDA device)"
+        )
+        event = self._event("cudagraph_skip", stats.label, record, first_line(reason))
+        log.warning("region %s runs without CUDA graphs: %s. Fix: %s", stats.label, event.reason, event.fix)
 
     def _graph_break(self, stats: RegionStats, record: _Compile, item: Any) -> None:
         reason = str(getattr(item, "reason", item))
@@ -543,6 +569,7 @@ class CompileTelemetry:
             "unique_graphs": self.unique_graphs,
             "recompile_limit_hits": sum(s.limit_hits for s in self.regions.values()),
             "eager_fallbacks": sum(1 for e in self.events if e.kind == "eager_fallback"),
+            "cudagraph_skips": sum(s.cudagraph_skips for s in self.regions.values()),
         }
 
     def region_rows(self) -> List[Dict[str, Any]]:

@@ -109,3 +109,18 @@ def test_lazy_backward_compiles_count_for_their_region_and_reset_is_survived():
     assert stats.compiles == 2 and stats.recompiles == 0, "after a reset compile ids restart at 0/0"
     assert stats.compile_time_s == pytest.approx(telemetry.compile_time_s)
     assert set(telemetry.regions) == {"blocks"}
+
+
+def test_a_graph_that_runs_without_the_cuda_graphs_asked_for_is_reported(caplog):
+    """Inductor compiles a CPU graph with ``triton.cudagraphs`` but runs it without them: a skip per graph."""
+    torch.manual_seed(0)
+    cudagraphs = run_regional(
+        models.Net(), torch.randn(4, models.WIDTH, requires_grad=True), backend="inductor",
+        options={"triton.cudagraphs": True},
+    )  # fmt: skip
+    skips = [e for e in cudagraphs.events if e.kind == "cudagraph_skip"]
+    assert skips and all(e.region == "blocks" for e in skips)
+    assert cudagraphs.totals()["cudagraph_skips"] == cudagraphs.regions["blocks"].cudagraph_skips >= 1
+    assert "mutated inputs" in skips[0].fix and "runs without CUDA graphs" in caplog.text
+    plain = run_regional(models.Net(), torch.randn(4, models.WIDTH, requires_grad=True), backend="inductor")
+    assert plain.totals()["cudagraph_skips"] == 0
