@@ -246,6 +246,8 @@ class CompileTelemetry:
         self.events: List[CompileEvent] = []
         self.breaks: Dict[Tuple[str, str, str], GraphBreak] = {}
         self.regions: Dict[str, RegionStats] = {}
+        self.runtime_cudagraph_skips = 0  # skipped when a graph ran, not when it compiled: region unknown
+        self._cudagraph_skips_seen = _cudagraph_skips()  # Inductor's counter, as far as the events account for it
         self._labels = region_labels(applied)
         for label, names in self._labels.values():
             self.regions[label] = RegionStats(label, names)
@@ -264,6 +266,7 @@ class CompileTelemetry:
     def install(self) -> CompileTelemetry:
         metrics = torch._dynamo.utils.get_compilation_metrics()
         self._last_metric = metrics[-1] if metrics else None  # earlier compiles are not ours
+        self._cudagraph_skips_seen = _cudagraph_skips()
         self.ensure_installed()
         return self
 
@@ -343,6 +346,7 @@ class CompileTelemetry:
         for record in self._backward:
             self._finish(record, None)
         self._backward.clear()
+        self._runtime_cudagraph_skips()
         return self.events[before:]
 
     def _read_metrics(self) -> None:
@@ -437,11 +441,26 @@ class CompileTelemetry:
 
     def _cudagraph_skip(self, stats: RegionStats, record: _Compile, metric: Any) -> None:
         stats.cudagraph_skips += record.cudagraph_skips
+        self._cudagraph_skips_seen += record.cudagraph_skips
         reason = str(getattr(metric, "cudagraph_skip_reason", None) or "") or (
             "reason not reported by Inductor (it reports it only for graphs on a CUDA device)"
         )
         event = self._event("cudagraph_skip", stats.label, record, first_line(reason))
         log.warning("region %s runs without CUDA graphs: %s. Fix: %s", stats.label, event.reason, event.fix)
+
+    def _runtime_cudagraph_skips(self) -> None:
+        """Skips counted outside any compile: CUDA graph trees give up on a graph when it runs (an input
+        mutated outside the graphs' memory, too many re-recordings), and say why only in a log that is off
+        by default."""
+        skipped = _cudagraph_skips() - self._cudagraph_skips_seen
+        if skipped <= 0:
+            return
+        self._cudagraph_skips_seen += skipped
+        self.runtime_cudagraph_skips += skipped
+        reason = f"{skipped} graph(s) stopped using CUDA graphs at run time (TORCH_LOGS=cudagraphs shows why)"
+        where = _Where("-", self.phase, self.step)
+        event = self._event("cudagraph_skip", "-", where, reason)
+        log.warning("%s. Fix: %s", reason, event.fix)
 
     def _graph_break(self, stats: RegionStats, record: _Compile, item: Any) -> None:
         reason = str(getattr(item, "reason", item))
@@ -569,7 +588,7 @@ class CompileTelemetry:
             "unique_graphs": self.unique_graphs,
             "recompile_limit_hits": sum(s.limit_hits for s in self.regions.values()),
             "eager_fallbacks": sum(1 for e in self.events if e.kind == "eager_fallback"),
-            "cudagraph_skips": sum(s.cudagraph_skips for s in self.regions.values()),
+            "cudagraph_skips": sum(s.cudagraph_skips for s in self.regions.values()) + self.runtime_cudagraph_skips,
         }
 
     def region_rows(self) -> List[Dict[str, Any]]:

@@ -122,5 +122,19 @@ def test_a_graph_that_runs_without_the_cuda_graphs_asked_for_is_reported(caplog)
     assert skips and all(e.region == "blocks" for e in skips)
     assert cudagraphs.totals()["cudagraph_skips"] == cudagraphs.regions["blocks"].cudagraph_skips >= 1
     assert "mutated inputs" in skips[0].fix and "runs without CUDA graphs" in caplog.text
+    assert cudagraphs.runtime_cudagraph_skips == 0, "skips seen during compiles are not counted again"
     plain = run_regional(models.Net(), torch.randn(4, models.WIDTH, requires_grad=True), backend="inductor")
     assert plain.totals()["cudagraph_skips"] == 0
+
+
+def test_cuda_graph_skips_outside_compiles_are_counted_once():
+    """CUDA graph trees give up on a graph when it runs (GPU only) and only bump Inductor's counter."""
+    from torch._dynamo.utils import counters
+
+    telemetry = run_regional(models.Net(), torch.randn(4, models.WIDTH))
+    counters["inductor"]["cudagraph_skips"] += 2  # what two run-time skips leave behind
+    telemetry.collect()
+    telemetry.collect()
+    assert telemetry.runtime_cudagraph_skips == telemetry.totals()["cudagraph_skips"] == 2
+    (event,) = [e for e in telemetry.events if e.kind == "cudagraph_skip"]
+    assert "at run time" in event.reason and "TORCH_LOGS=cudagraphs" in event.reason
