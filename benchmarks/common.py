@@ -85,6 +85,44 @@ class StepTimer:
         return statistics.median(self.seconds())
 
 
+class HostTimer:
+    """Host time to issue one training step, apart from the device: before each step the device is held by a
+    sleep kernel longer than the step's host work, so the host never waits for it and the wall time from one
+    step's start to the next is what the host alone needs (on the CPU, that is the step). A host time near the
+    device's step time means the loop is host-bound: any extra Python a step slows training down."""
+
+    HOLD_S = 0.2
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: List[float] = []
+        self._started: Optional[float] = None
+        self._cycles = self._sleep_cycles(self.HOLD_S) if device.type == "cuda" else 0
+
+    @staticmethod
+    def _sleep_cycles(seconds: float) -> int:
+        probe = 10_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        return int(probe * seconds * 1e3 / start.elapsed_time(end))
+
+    def step_start(self) -> None:
+        """Call where each step starts: closes the previous step's interval and holds the device for the next."""
+        now = time.perf_counter()
+        if self._started is not None:
+            self.times.append(now - self._started)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda._sleep(self._cycles)
+        self._started = time.perf_counter()
+
+    def median_ms(self) -> Optional[float]:
+        return statistics.median(self.times) * 1e3 if self.times else None
+
+
 def timed(device: torch.device, fn: Callable[[], Any]) -> float:
     """Wall-clock seconds of ``fn`` with the device synchronized on both sides."""
     synchronize(device)

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import StepTimer, format_table, peak_flops, synchronize, timed, write_result  # noqa: E402
+from benchmarks.common import HostTimer, StepTimer, format_table, peak_flops, synchronize, timed, write_result  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
@@ -45,12 +45,14 @@ SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 @dataclass(frozen=True)
 class Variant:
     """One way of training: the loop (a plain PyTorch loop or a Lightning Trainer) and how it compiles;
-    ``policy`` names a bundled compile policy, with ``overrides`` merged over it."""
+    ``policy`` names a bundled compile policy, with ``overrides`` merged over it; ``module`` holds arguments
+    of the recipe's ``LanguageModel``."""
 
     loop: str
     how: str
     policy: Optional[str] = None
     overrides: Tuple[Tuple[str, Any], ...] = ()
+    module: Tuple[Tuple[str, Any], ...] = ()
 
 
 NO_CUDA_GRAPHS = (("mode", None),)
@@ -70,6 +72,9 @@ VARIANTS = {
     ),
     "policy_nested": Variant("raw", "policy regional_nested", "regional_nested"),
     "lightning_full": Variant("lightning", "policy full", "full"),
+    "lightning_full_log_every_step": Variant(
+        "lightning", "policy full, loss logged every step", "full", module=(("log_loss_every_step", True),)
+    ),
     "lightning_full_cudagraphs": Variant("lightning", "policy reduce_overhead", "reduce_overhead"),
     "lightning_full_background": Variant("lightning", "policy full_background", "full_background"),
     "lightning_regional": Variant("lightning", "policy regional (CUDA graphs)", "regional"),
@@ -183,9 +188,10 @@ def prepare_raw(variant: str, model: GPT, backend: str) -> Tuple[Callable[..., A
     return model, None, None
 
 
-def make_module(config: GPTConfig, device: torch.device) -> LanguageModel:
+def make_module(variant: str, config: GPTConfig, device: torch.device) -> LanguageModel:
     torch.manual_seed(0)
-    return LanguageModel(model=asdict(config), lr=6e-4, fused=device.type == "cuda", warmup_steps=10)
+    options = dict(VARIANTS[variant].module)
+    return LanguageModel(model=asdict(config), lr=6e-4, fused=device.type == "cuda", warmup_steps=10, **options)
 
 
 def measure_flops(model: GPT, batch: torch.Tensor, autocast: bool) -> int:
@@ -200,7 +206,7 @@ def measure_flops(model: GPT, batch: torch.Tensor, autocast: bool) -> int:
 
 
 def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
-    module = make_module(config, device)
+    module = make_module(variant, config, device)
     model = module.model.to(device)
     batches = [b.to(device) for b in make_batches(config, args.batch_size, 8)]
     autocast = device.type == "cuda"
@@ -247,7 +253,14 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     syncs.stop()
     synchronize(device)
     window = time.perf_counter() - window_start
+    host_timer = HostTimer(device)
+    first_host_step = offset + args.warmup - 1 + args.steps
+    for index in range(first_host_step, first_host_step + args.host_steps + 1):
+        host_timer.step_start()
+        step(index)
+    synchronize(device)
     result = finish(first_step, timer.median(), window, args, config, device, flops, losses)
+    result["host_ms"] = host_timer.median_ms()
     return result | background_result(background) | {"syncs": syncs.sites, "host_profile": host.top()}
 
 
@@ -265,7 +278,8 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
 
     class StepClock(pl.Callback):
         """Times ``args.steps`` steps after ``args.warmup``, counted from the first step (or, with a background
-        compile, from the first step that runs compiled), then stops the Trainer."""
+        compile, from the first step that runs compiled), then the host time of ``args.host_steps`` steps, then
+        stops the Trainer."""
 
         def __init__(self):
             self.timer = StepTimer(device)
@@ -275,6 +289,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.losses: List[torch.Tensor] = []
             self.syncs = SyncRecorder(args.sync_debug)
             self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
+            self.host_timer = HostTimer(device)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             background = compile_callback.background
@@ -286,8 +301,10 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if batch_idx == self.timed_from:
                 self.syncs.start()
                 self.host.start()
-            timed = self.timed_from is not None and batch_idx >= self.timed_from
+            timed = self.timed_from is not None and self.timed_from <= batch_idx < self.timed_from + args.steps
             self.started = self.timer.start() if timed else None
+            if self.timed_from is not None and batch_idx >= self.timed_from + args.steps:
+                self.host_timer.step_start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(outputs["loss"].detach())
@@ -301,15 +318,16 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
+            if self.timed_from is not None and batch_idx == self.timed_from + args.steps + args.host_steps:
                 trainer.should_stop = True
 
-    module = make_module(config, device)
+    module = make_module(variant, config, device)
     batches = make_batches(config, args.batch_size, 8)
     flops = measure_flops(module.model.to(device), batches[0].to(device), device.type == "cuda")
     windows = [(b[:, :-1], b[:, 1:]) for b in batches]
     if args.lightning_data == "device":  # already on the GPU: no pinning thread, no host-to-device copy
         windows = [(x.to(device), y.to(device)) for x, y in windows]
-    most_steps = args.warmup + args.steps + args.max_eager_steps
+    most_steps = args.warmup + args.steps + args.host_steps + 1 + args.max_eager_steps
     loader = DataLoader(
         [pair for _ in range(math.ceil(most_steps / len(windows))) for pair in windows],
         batch_size=None,
@@ -334,6 +352,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
     result = finish(clock.first_step, clock.timer.median(), clock.window, args, config, device, flops, clock.losses)
+    result["host_ms"] = clock.host_timer.median_ms()
     extra = background_result(compile_callback.background)
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
@@ -396,8 +415,9 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     eager = results.get("eager", {})
     whole = results.get("torch_compile", {})
     rows = []
-    for variant, result in results.items():
-        row: Dict[str, Any] = {"variant": variant, "loop": VARIANTS[variant].loop, "compiled": VARIANTS[variant].how}
+    for run, result in results.items():
+        variant = run.split("#")[0]
+        row: Dict[str, Any] = {"variant": run, "loop": VARIANTS[variant].loop, "compiled": VARIANTS[variant].how}
         if "error" in result:
             rows.append(row | {"error": result["error"]})
             continue
@@ -422,6 +442,7 @@ COLUMNS = [
     "loop",
     "first_step_s",
     "step_ms",
+    "host_ms",
     "tokens_per_s",
     "speedup_vs_eager",
     "throughput_vs_torch_compile",
@@ -450,6 +471,9 @@ def main() -> None:
     parser.add_argument(
         "--max-eager-steps", type=int, default=5000, help="with a background compile: most steps before it is in use"
     )
+    parser.add_argument(
+        "--host-steps", type=int, default=10, help="steps after the timed ones that measure the host's time alone"
+    )
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
     parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
@@ -469,6 +493,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
+        args.host_steps = min(args.host_steps, 2)
     if args.worker:
         faulthandler.enable(all_threads=True)  # a crash or a hang shows every thread's Python stack
         faulthandler.dump_traceback_later(args.variant_timeout - 10, exit=True)
@@ -484,6 +509,7 @@ def main() -> None:
             f"--backend={args.backend}",
             f"--lightning-data={args.lightning_data}",
             f"--max-eager-steps={args.max_eager_steps}",
+            f"--host-steps={args.host_steps}",
             f"--variant-timeout={args.variant_timeout}",
         ]
         + ([f"--switch-interval={args.switch_interval}"] if args.switch_interval else [])
@@ -499,9 +525,11 @@ def main() -> None:
         ]
     )
     results: Dict[str, Dict[str, Any]] = {}
-    for variant in args.variants:
-        results[variant] = run_variant(variant, args)
-        print(f"{variant}: {json.dumps(results[variant])[:300]}", flush=True)
+    for index, variant in enumerate(args.variants):
+        repeat = args.variants[:index].count(variant)  # a variant named again is another run: "variant#2"
+        run = f"{variant}#{repeat + 1}" if repeat else variant
+        results[run] = run_variant(variant, args)
+        print(f"{run}: {json.dumps(results[run])[:300]}", flush=True)
         rows = summarize(results)
         notes = [
             f"batch {args.batch_size} x {(SMOKE if args.smoke else GPT2_SMALL).block_size} tokens, "
