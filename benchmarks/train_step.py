@@ -56,6 +56,7 @@ class Variant:
 
 
 NO_CUDA_GRAPHS = (("mode", None),)
+CPP_WRAPPER = (("options", {"cpp_wrapper": True}),)
 VARIANTS = {
     "eager": Variant("raw", "none"),
     "torch_compile": Variant("raw", "torch.compile(model)"),
@@ -63,6 +64,7 @@ VARIANTS = {
     "block_compile": Variant("raw", "block.compile() for each block"),
     "policy_full": Variant("raw", "policy full", "full"),
     "policy_full_cudagraphs": Variant("raw", "policy reduce_overhead (full, CUDA graphs)", "reduce_overhead"),
+    "policy_full_cpp_wrapper": Variant("raw", "policy full, Inductor C++ wrapper", "full", CPP_WRAPPER),
     "policy_full_background": Variant("raw", "policy full_background", "full_background"),
     "policy_regional": Variant("raw", "policy regional (CUDA graphs)", "regional"),
     "policy_regional_background": Variant("raw", "policy regional_background", "regional_background"),
@@ -75,6 +77,7 @@ VARIANTS = {
     "lightning_full_log_every_step": Variant(
         "lightning", "policy full, loss logged every step", "full", module=(("log_loss_every_step", True),)
     ),
+    "lightning_full_cpp_wrapper": Variant("lightning", "policy full, Inductor C++ wrapper", "full", CPP_WRAPPER),
     "lightning_full_cudagraphs": Variant("lightning", "policy reduce_overhead", "reduce_overhead"),
     "lightning_full_background": Variant("lightning", "policy full_background", "full_background"),
     "lightning_regional": Variant("lightning", "policy regional (CUDA graphs)", "regional"),

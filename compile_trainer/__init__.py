@@ -3,6 +3,7 @@
 from compile_trainer.apply import AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.background import BackgroundCompile, BackgroundCompileError
 from compile_trainer.callback import CompileCallback
+from compile_trainer.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
 from compile_trainer.policy import CompilePolicy, OptimizerPolicy, PolicyError, Rule, to_policy
 from compile_trainer.selection import CompilePlan, find_repeated_blocks, resolve_plan
@@ -18,6 +19,7 @@ __all__ = [
     "CompilePlan",
     "CompilePolicy",
     "CompiledOptimizerStep",
+    "GradientCopies",
     "OptimizerChoice",
     "OptimizerPolicy",
     "PadCollate",
@@ -28,6 +30,7 @@ __all__ = [
     "ShapesPolicy",
     "apply_policy",
     "compile_optimizer",
+    "copy_cuda_graph_gradients",
     "find_repeated_blocks",
     "format_plan_table",
     "resolve_plan",

@@ -69,7 +69,7 @@ class AppliedPolicy:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        return any(_uses_cuda_graphs(item.compile_kwargs) for item in self.compiled)
+        return any(kwargs_use_cuda_graphs(item.compile_kwargs) for item in self.compiled)
 
     def begin_step(self) -> None:
         """Call before each training or evaluation step (``CompileCallback`` does).
@@ -184,7 +184,7 @@ def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dic
     return kwargs, notes
 
 
-def _uses_cuda_graphs(kwargs: Dict[str, Any]) -> bool:
+def kwargs_use_cuda_graphs(kwargs: Dict[str, Any]) -> bool:
     return kwargs["mode"] == "reduce-overhead" or bool((kwargs["options"] or {}).get("triton.cudagraphs"))
 
 

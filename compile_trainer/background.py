@@ -12,9 +12,9 @@ of the region (the same parameters, its own module objects and buffers), so that
 training thread (``model.eval()`` for validation) cannot change what is traced. It creates the Dynamo
 cache entry that the real calls then hit: the same code object and backend, and guards that pass because
 the grad mode, autocast state and input metadata are the recorded ones. Kernel autotuning and, with CUDA
-graphs, warm-up and recording happen at the first compiled step, on the training thread. Dynamo saves and
-restores the process-wide random-number state around each compile; on the thread that rewinds the training
-thread's generators, so an eager step that draws random numbers (dropout) may repeat earlier draws.
+graphs, warm-up and recording happen at the first compiled step, on the training thread. The compilers'
+save-and-restore of the process-wide random-number state is skipped on the thread (it would rewind the
+training thread's generators); the step at which the compiled regions take over varies from run to run.
 
 Without Lightning::
 

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer.apply import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.background import BackgroundCompile
+from compile_trainer.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.fit_telemetry import FitTelemetry, to_telemetry_config
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.policy import CompilePolicy, policy_to_dict, to_policy
@@ -44,6 +45,7 @@ class CompileCallback(pl.Callback):
         self.shape_hooks: Optional[ShapeHooks] = None
         self.background: Optional[BackgroundCompile] = None
         self.optimizer_steps: List[CompiledOptimizerStep] = []
+        self.gradient_copies: Optional[GradientCopies] = None
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
@@ -61,6 +63,7 @@ class CompileCallback(pl.Callback):
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
             if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
                 self.telemetry.start(trainer, pl_module, self.applied)
+            self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
             return
         if self.telemetry is not None:
             self.telemetry.before_policy(pl_module)
@@ -71,8 +74,17 @@ class CompileCallback(pl.Callback):
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             rank_zero_info(format_plan_table(self.applied))
+        self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+    def _copy_gradients_if_they_outlive_a_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under CUDA graphs, gradients that must survive the next step's replays get their own memory."""
+        outlive = trainer.accumulate_grad_batches > 1 or not pl_module.automatic_optimization
+        if self.applied.uses_cuda_graphs and outlive and self.gradient_copies is None:
+            self.gradient_copies = copy_cuda_graph_gradients(self.applied)
+            if self.print_plan:
+                rank_zero_info(f"note: {self.gradient_copies.describe()}")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.policy.shapes.active:
@@ -120,6 +132,9 @@ class CompileCallback(pl.Callback):
         if self.telemetry is not None:
             self.telemetry.stop()
         self._remove_shape_hooks()
+        if self.gradient_copies is not None:
+            self.gradient_copies.remove()
+            self.gradient_copies = None
 
 
 def _log_background(trainer: pl.Trainer, background: BackgroundCompile) -> None:

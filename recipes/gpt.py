@@ -178,13 +178,15 @@ class LanguageModel(pl.LightningModule):
         # Not on the progress bar: showing it reads the value back every step, a device sync that
         # starves the GPU (28.9 vs 20.9 ms a step for GPT-2 small on an H100, docs/BENCHMARKS.md).
         # The batch size given, Lightning does not search the batch for it (host time).
+        trainer = self._trainer
+        if trainer is None:  # a step outside fit (a FLOP count, a test): nothing to log to
+            return
         if self.hparams.log_loss_every_step:
             self.log("train/loss", loss, batch_size=batch_size)
             return
         # A new tensor, not the loss itself: a CUDA-graph output is overwritten by the next step.
         self._interval_loss = loss.clone() if self._interval_loss is None else self._interval_loss + loss
         self._interval_steps += 1
-        trainer = self.trainer
         steps = (batch_idx + 1) % trainer.accumulate_grad_batches == 0  # the batch that steps the optimizer
         if steps and ((self.global_step + 1) % trainer.log_every_n_steps == 0 or trainer.should_stop):
             self.log("train/loss", self._interval_loss / self._interval_steps, batch_size=batch_size)
