@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import faulthandler
+import gc
 import json
 import math
 import os
@@ -83,6 +84,39 @@ VARIANTS = {
     "lightning_regional": Variant("lightning", "policy regional (CUDA graphs)", "regional"),
     "lightning_regional_background": Variant("lightning", "policy regional_background", "regional_background"),
 }
+
+
+class GcRecorder:
+    """Python garbage collections in the timed window: how many of each generation and how long they paused the
+    host. A full collection walks every object the compilers and Lightning keep alive; in a loop whose host
+    barely keeps up with the GPU, that pause is lost throughput the per-step medians do not show. ``--gc
+    freeze`` collects once after the warm-up and moves the survivors out of the collector's sight
+    (``gc.freeze()``), as a loop that reached steady state may."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.counts = [0, 0, 0]
+        self.pause_s = 0.0
+        self._started: Optional[float] = None
+
+    def start(self) -> None:
+        if self.mode == "freeze":
+            gc.collect()
+            gc.freeze()
+        gc.callbacks.append(self._record)
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._record)
+
+    def _record(self, phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.counts[info["generation"]] += 1
+            self.pause_s += time.perf_counter() - self._started
+
+    def result(self) -> Dict[str, Any]:
+        return {"gc_collections": self.counts, "gc_pause_ms": self.pause_s * 1e3}
 
 
 class SyncRecorder:
@@ -244,6 +278,8 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     timer = StepTimer(device)
     syncs = SyncRecorder(args.sync_debug)
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
+    collections = GcRecorder(args.gc)
+    collections.start()
     synchronize(device)
     window_start = time.perf_counter()
     syncs.start()
@@ -256,15 +292,17 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     syncs.stop()
     synchronize(device)
     window = time.perf_counter() - window_start
+    collections.stop()
     host_timer = HostTimer(device)
     first_host_step = offset + args.warmup - 1 + args.steps
     for index in range(first_host_step, first_host_step + args.host_steps + 1):
         host_timer.step_start()
         step(index)
     synchronize(device)
-    result = finish(first_step, timer.median(), window, args, config, device, flops, losses)
+    result = finish(first_step, timer, window, args, config, device, flops, losses)
     result["host_ms"] = host_timer.median_ms()
-    return result | background_result(background) | {"syncs": syncs.sites, "host_profile": host.top()}
+    extra = background_result(background) | collections.result()
+    return result | extra | {"syncs": syncs.sites, "host_profile": host.top()}
 
 
 def background_result(background: Any) -> Dict[str, Any]:
@@ -293,11 +331,14 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.syncs = SyncRecorder(args.sync_debug)
             self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
             self.host_timer = HostTimer(device)
+            self.collections = GcRecorder(args.gc)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             background = compile_callback.background
             if self.timed_from is None and (background is None or background.installed):
                 self.timed_from = batch_idx + args.warmup
+            if batch_idx == self.timed_from:
+                self.collections.start()
             if batch_idx in (0, self.timed_from):
                 synchronize(device)
                 self.wall = time.perf_counter()
@@ -321,6 +362,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
+                self.collections.stop()
             if self.timed_from is not None and batch_idx == self.timed_from + args.steps + args.host_steps:
                 trainer.should_stop = True
 
@@ -354,21 +396,22 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
-    result = finish(clock.first_step, clock.timer.median(), clock.window, args, config, device, flops, clock.losses)
+    result = finish(clock.first_step, clock.timer, clock.window, args, config, device, flops, clock.losses)
     result["host_ms"] = clock.host_timer.median_ms()
-    extra = background_result(compile_callback.background)
+    extra = background_result(compile_callback.background) | clock.collections.result()
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
-def finish(first_step, step_time, window, args, config, device, flops, losses) -> Dict[str, Any]:
+def finish(first_step, timer, window, args, config, device, flops, losses) -> Dict[str, Any]:
     from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
 
-    steps = args.steps
+    steps, step_time = args.steps, timer.median()
     tokens = args.batch_size * config.block_size
     peak = peak_flops(device)
     return {
         "first_step_s": first_step,
         "step_ms": step_time * 1e3,
+        "slowest_step_ms": max(timer.seconds()) * 1e3,
         "tokens_per_s": tokens * steps / window,
         "tflops": flops / step_time / 1e12,
         "mfu": flops / step_time / peak if peak else None,
@@ -446,6 +489,7 @@ COLUMNS = [
     "first_step_s",
     "step_ms",
     "host_ms",
+    "slowest_step_ms",
     "tokens_per_s",
     "speedup_vs_eager",
     "throughput_vs_torch_compile",
@@ -456,6 +500,8 @@ COLUMNS = [
     "mfu",
     "peak_mem_gib",
     "graphs",
+    "gc_collections",
+    "gc_pause_ms",
     "loss_rel_diff_vs_eager",
     "error",
 ]
@@ -465,7 +511,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_step.json")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=30, help="timed steady-state steps")
+    parser.add_argument("--steps", type=int, default=200, help="timed steady-state steps")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--backend", default="inductor")
@@ -476,6 +522,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--host-steps", type=int, default=10, help="steps after the timed ones that measure the host's time alone"
+    )
+    parser.add_argument(
+        "--gc",
+        choices=["auto", "freeze"],
+        default="auto",
+        help="Python's garbage collector in the timed steps: as is, or frozen after one collection",
     )
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
@@ -513,6 +565,7 @@ def main() -> None:
             f"--lightning-data={args.lightning_data}",
             f"--max-eager-steps={args.max_eager_steps}",
             f"--host-steps={args.host_steps}",
+            f"--gc={args.gc}",
             f"--variant-timeout={args.variant_timeout}",
         ]
         + ([f"--switch-interval={args.switch_interval}"] if args.switch_interval else [])

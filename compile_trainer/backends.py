@@ -8,32 +8,21 @@ H100), draw from the shared random-number generators, and hold a second step's a
 graph raises ``CompiledNotRun`` instead of running, on that thread only. The Dynamo cache entry it
 created is the one the training thread's calls then hit, so they run the same compiled graph.
 
-Dynamo, AOTAutograd and Inductor save the process-wide random-number state (torch's CPU and CUDA generators,
-Python's ``random``) before they compile and restore it after, to undo draws made while tracing. On a second
-thread that restore rewinds the training thread's generators: draws it made meanwhile (dropout masks) come
-again. Inside ``compile_only()`` those restores are skipped on that thread; it runs nothing, so it has drawn
-nothing to undo.
+Inside ``compile_only()`` the thread is also guarded (``compile_trainer.thread_guards``): the compilers'
+process-wide side effects made on it (random-number restores, FX's method patches) stay on it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from compile_trainer.thread_guards import guarded_thread
+
 _thread = threading.local()
-# The functions the compilers restore random-number state with, as (owner, attribute).
-RNG_RESTORES: Tuple[Tuple[Any, str], ...] = (
-    (torch.random, "set_rng_state"),
-    (torch.cuda, "set_rng_state"),
-    (random, "setstate"),
-)
-_rng_lock = threading.Lock()
-_compile_only_threads: Set[int] = set()
-_rng_restores: Dict[Tuple[Any, str], Callable[..., Any]] = {}  # the originals, while patched
 
 
 class CompiledNotRun(Exception):
@@ -42,41 +31,15 @@ class CompiledNotRun(Exception):
 
 @contextlib.contextmanager
 def compile_only() -> Iterator[None]:
-    """On this thread, compiled graphs of a ``CompileOnlyBackend`` raise ``CompiledNotRun`` instead of running,
-    and the compilers' random-number state restores do nothing (other threads' calls go through)."""
+    """On this thread, compiled graphs of a ``CompileOnlyBackend`` raise ``CompiledNotRun`` instead of running;
+    the thread is guarded (``thread_guards.guarded_thread``)."""
     previous = getattr(_thread, "compile_only", False)
     _thread.compile_only = True
-    if not previous:
-        _skip_rng_restores_on_this_thread(True)
     try:
-        yield
+        with guarded_thread():
+            yield
     finally:
-        if not previous:
-            _skip_rng_restores_on_this_thread(False)
         _thread.compile_only = previous
-
-
-def _skip_rng_restores_on_this_thread(skip: bool) -> None:
-    """Patch the restore functions while any thread is compile-only; put the originals back after the last."""
-    with _rng_lock:
-        if skip and not _compile_only_threads:
-            for owner, name in RNG_RESTORES:
-                _rng_restores[(owner, name)] = original = getattr(owner, name)
-                setattr(owner, name, _skipped_on_compile_only_threads(original))
-        (_compile_only_threads.add if skip else _compile_only_threads.discard)(threading.get_ident())
-        if not skip and not _compile_only_threads:
-            for (owner, name), original in _rng_restores.items():
-                setattr(owner, name, original)
-            _rng_restores.clear()
-
-
-def _skipped_on_compile_only_threads(restore: Callable[..., Any]) -> Callable[..., Any]:
-    def restore_unless_compile_only(*args: Any, **kwargs: Any) -> Any:
-        if threading.get_ident() not in _compile_only_threads:
-            return restore(*args, **kwargs)
-        return None
-
-    return restore_unless_compile_only
 
 
 class CompileOnlyBackend:
