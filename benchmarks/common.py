@@ -123,6 +123,22 @@ class HostTimer:
         return statistics.median(self.times) * 1e3 if self.times else None
 
 
+def quiet_trainer(device: torch.device, **trainer_args: Any) -> Any:
+    """A Lightning Trainer on one ``device`` without logger, checkpoints, progress bar, summary or validation."""
+    import lightning.pytorch as pl
+
+    defaults = dict(
+        accelerator=device.type,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    return pl.Trainer(**(defaults | trainer_args))
+
+
 def timed(device: torch.device, fn: Callable[[], Any]) -> float:
     """Wall-clock seconds of ``fn`` with the device synchronized on both sides."""
     synchronize(device)

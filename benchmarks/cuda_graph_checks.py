@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import format_table, write_result  # noqa: E402
+from benchmarks.common import format_table, quiet_trainer, write_result  # noqa: E402
 from recipes.gpt import GPTConfig, LanguageModel  # noqa: E402
 
 MODEL = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -84,18 +84,7 @@ def train_lightning(config, device, policy, accumulate, steps, copies=False) -> 
     data = DataLoader(
         [(b[:, :-1], b[:, 1:]) for b in make_batches(config, steps * accumulate, device)], batch_size=None
     )
-    trainer = pl.Trainer(
-        accelerator=device.type,
-        devices=1,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(device, max_steps=steps, accumulate_grad_batches=accumulate, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=data)
     return {"losses": recorder.losses, "weights": [p.detach().float().cpu() for p in module.parameters()]}
 

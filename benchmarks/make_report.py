@@ -22,6 +22,7 @@ DOCS = ROOT / "docs"
 # Sections in this order; other result files follow alphabetically.
 ORDER = [
     "train_step",
+    "train_step_goal",
     "train_step_lightning_device_data",
     "train_step_kernel_profile",
     "optimizer",

@@ -35,7 +35,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import HostTimer, StepTimer, format_table, peak_flops, synchronize, timed, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    HostTimer,
+    StepTimer,
+    format_table,
+    peak_flops,
+    quiet_trainer,
+    synchronize,
+    timed,
+    write_result,
+)
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
@@ -381,17 +390,11 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     compile_callback = CompileCallback(policy_for(variant, args.backend), print_plan=False)
     clock = StepClock()
-    trainer = pl.Trainer(
-        accelerator=device.type,
-        devices=1,
+    trainer = quiet_trainer(
+        device,
         max_steps=most_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         log_every_n_steps=50,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",
-        limit_val_batches=0,
         callbacks=[clock, compile_callback],
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
