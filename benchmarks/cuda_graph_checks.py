@@ -41,7 +41,7 @@ def make_module(config: GPTConfig, device: torch.device) -> LanguageModel:
     return LanguageModel(model=asdict(config), lr=1e-3, warmup_steps=1).to(device)
 
 
-def train_raw(config, device, policy, accumulate, steps, copies) -> Dict[str, Any]:
+def train_raw(config, device, policy, accumulate, steps, copies=False) -> Dict[str, Any]:
     """A hand-written loop: ``accumulate`` micro-batches per optimizer step."""
     from compile_trainer.apply import apply_policy
     from compile_trainer.cuda_graph_grads import copy_cuda_graph_gradients
@@ -65,7 +65,7 @@ def train_raw(config, device, policy, accumulate, steps, copies) -> Dict[str, An
     return {"losses": losses, "weights": [p.detach().float().cpu() for p in module.parameters()]}
 
 
-def train_lightning(config, device, policy, accumulate, steps, copies=False) -> Dict[str, Any]:
+def train_lightning(config, device, policy, accumulate, steps) -> Dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -115,14 +115,14 @@ def main() -> None:
     config = SMOKE if args.smoke else MODEL
     policy = to_policy("regional", backend="aot_eager" if args.smoke else "inductor")
     checks = [  # how, the loop, its arguments
-        ("raw loop, no gradient copies", train_raw, {"copies": False}),
+        ("raw loop, no gradient copies", train_raw, {}),
         ("raw loop, copy_cuda_graph_gradients", train_raw, {"copies": True}),
         ("Lightning + CompileCallback", train_lightning, {}),
     ]
     rows = []
     for accumulate in (1, 2):
         settings = {"config": config, "device": device, "steps": args.steps, "accumulate": accumulate}
-        eager = {loop: run(loop, policy=None, copies=False, **settings) for loop in (train_raw, train_lightning)}
+        eager = {loop: run(loop, policy=None, **settings) for loop in (train_raw, train_lightning)}
         for how, loop, extra in checks:
             result = run(loop, policy=policy, **settings, **extra)
             row = {"check": "regional (CUDA graphs) vs eager", "how": how, "accumulate": accumulate}
