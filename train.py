@@ -3,9 +3,9 @@
 import hydra
 from omegaconf import DictConfig
 
-from compile_trainer.configs import register_configs
-from compile_trainer.sweep import sweeper_value
-from compile_trainer.training import train
+from compile_trainer.runs.hydra_configs import register_configs
+from compile_trainer.runs.recorder import sweeper_value
+from compile_trainer.runs.training import train
 
 register_configs()
 

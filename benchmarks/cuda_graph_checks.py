@@ -43,8 +43,8 @@ def make_module(config: GPTConfig, device: torch.device) -> LanguageModel:
 
 def train_raw(config, device, policy, accumulate, steps, copies=False) -> Dict[str, Any]:
     """A hand-written loop: ``accumulate`` micro-batches per optimizer step."""
-    from compile_trainer.apply import apply_policy
-    from compile_trainer.cuda_graph_grads import copy_cuda_graph_gradients
+    from compile_trainer.compiling.cuda_graph_grads import copy_cuda_graph_gradients
+    from compile_trainer.compiling.regions import apply_policy
 
     module = make_module(config, device)
     applied = apply_policy(module, policy) if policy is not None else None
@@ -69,7 +69,7 @@ def train_lightning(config, device, policy, accumulate, steps) -> Dict[str, Any]
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from compile_trainer.callback import CompileCallback
+    from compile_trainer.lightning.callback import CompileCallback
 
     class Losses(pl.Callback):
         def __init__(self):
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = parser.parse_args()
-    from compile_trainer.policy import to_policy
+    from compile_trainer.schema import to_policy
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     config = SMOKE if args.smoke else MODEL

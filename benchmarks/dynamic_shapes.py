@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import format_table, synchronize, write_result  # noqa: E402
-from compile_trainer.apply import apply_policy  # noqa: E402
-from compile_trainer.policy import CompilePolicy, Rule, validate_policy  # noqa: E402
-from compile_trainer.shapes import BatchShaper, DynamicDim, Padding, ShapesPolicy  # noqa: E402
-from compile_trainer.warmup import RegionHooks  # noqa: E402
+from compile_trainer.compiling.regions import apply_policy  # noqa: E402
+from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
+from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
+from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
 from recipes.data import TokenBatch  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -87,7 +87,7 @@ def compiled_forward(variant: str, model: GPT, shaper: BatchShaper, backend: str
         CompilePolicy(name=variant, backend=backend, dynamic=dynamic, rules=rules, shapes=shaper.shapes)
     )
     applied = apply_policy(Root(model), policy, device=device)
-    RegionHooks(applied, shaper)  # marks the regions' inputs like the batch
+    RegionShapeInterceptors(applied, shaper)  # marks the regions' inputs like the batch
     return model
 
 

@@ -2,32 +2,53 @@
 
     python benchmarks/make_report.py
 
-Every figure in the page comes from a result file written by a benchmark script; each section states the
-device, versions, date and command of the run that measured it.
+Layout of ``benchmarks/results/``:
+
+- ``<benchmark>.json``: the headline of a benchmark, its latest full run (a new run of the benchmark's script
+  with its default ``--out`` replaces it);
+- ``<sweep>/``: a sweep's runs (``python train.py -m ...``; one ``result.json`` per run);
+- ``experiments/<what it tested>.json``: earlier and side runs, each with an ``"experiment"`` string that says
+  what it tested (the section's heading);
+- ``<name>.md`` beside a JSON file: what the numbers say, written by whoever ran it (printed after the table).
+
+The page has a "Headlines" part (one section per benchmark) and an "Experiments" part. Every section states
+the device, versions, date and command of the run that measured it. No two sections share a heading.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
-# Sections in this order; other result files follow alphabetically.
-ORDER = [
-    "train_step",
-    "train_step_goal",
-    "train_step_lightning_device_data",
-    "train_step_kernel_profile",
-    "optimizer",
-    "dynamic_shapes",
-    "telemetry_overhead",
+EXPERIMENTS = "experiments"
+# Headline sections in this order; other headline files follow alphabetically, then the sweeps.
+HEADLINE_ORDER = ["train_step", "optimizer", "dynamic_shapes", "telemetry_overhead", "cuda_graph_checks"]
+# Experiment sections grouped by question, in this order; other experiment files follow, newest first.
+EXPERIMENT_ORDER = [
+    "train_step_regional_goal_200_steps",
+    "train_step_regional_goal_200_steps_fx_race_failure",
+    "train_step_lightning_vs_raw_30_steps_cudagraphs",
+    "train_step_lightning_vs_raw_30_steps_background_autocast_fix",
+    "train_step_lightning_vs_raw_30_steps_order_swapped",
+    "train_step_lightning_vs_raw_30_steps_regional",
+    "train_step_lightning_vs_raw_30_steps_interval_logging",
+    "train_step_lightning_vs_raw_30_steps_cpp_wrapper",
+    "train_step_lightning_vs_raw_30_steps_repeated",
+    "train_step_lightning_vs_raw_200_steps",
+    "train_step_lightning_vs_raw_200_steps_gc_freeze",
+    "train_step_lightning_batches_on_gpu",
+    "train_step_lightning_vs_raw_kernel_profile",
+    "train_step_lightning_vs_raw_host_profile",
+    "train_step_slower_host_earlier_full_run",
 ]
 PHASES = ("total_wall_time", "entire_frame_compile", "entire_backward_compile", "backend_compile", "code_gen")
 SKIP_COLUMNS = {"compile_breakdown", "syncs_in_timed_steps", "host_profile", "compile_kwargs", "compile_phases_s"}
@@ -50,36 +71,111 @@ def markdown_table(columns: List[str], rows: List[Dict[str, Any]]) -> List[str]:
     return lines
 
 
-def meta_line(meta: Dict[str, Any]) -> str:
+def meta_line(result: Dict[str, Any]) -> str:
+    meta = result.get("meta")
+    if meta is None:  # a flat result: its script records device and torch at the top level, no date or command
+        recorded = result.get("recorded", "the script records neither date nor command")
+        return f"Measured on {result.get('device')} with torch {result.get('torch')}; {recorded}."
     return (
         f"Measured on {meta.get('device')} with torch {meta.get('torch')}, triton {meta.get('triton', '-')}, "
         f"on {meta.get('date', '-')}; command: `{meta.get('command', '-')}`"
     )
 
 
-def section(name: str, result: Dict[str, Any]) -> List[str]:
+def result_body(path: str, result: Dict[str, Any]) -> List[str]:
+    """The lines under a result file's heading: where it is and what measured it, its table, notes, commentary."""
+    benchmark = result.get("benchmark")
+    source = f"`{path}`" + (f" (benchmark `{benchmark}`)" if benchmark else "")
+    lines = [f"{source}. {meta_line(result)}", ""]
     if "rows" in result:
-        lines = [
-            f"## {result.get('title', name)}",
-            "",
-            f"`benchmarks/results/{name}.json`. {meta_line(result['meta'])}",
-            "",
-        ]
         lines += markdown_table(result["columns"], result["rows"])
         lines += [""] + [f"- {note}" for note in result.get("notes", [])]
-        details = [r for r in result["rows"] if r.get("compile_breakdown") or r.get("host_profile")]
-        for row in details:
+        for row in result["rows"]:
             if row.get("compile_breakdown"):
                 phases = {k: row["compile_breakdown"][k] for k in PHASES if k in row["compile_breakdown"]}
                 lines.append(f"- {row['variant']}: compile seconds by phase {cell(phases)}")
             if row.get("host_profile"):
                 lines.append(f"- {row['variant']}: " + "; ".join(row["host_profile"][:8]))
-        return lines + [""]
-    # a flat result: one row of its scalar fields
-    scalars = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}
-    lines = [f"## {name}", "", f"`benchmarks/results/{name}.json`.", ""]
-    lines += ["| field | value |", "|---|---|"] + [f"| {k} | {cell(v)} |" for k, v in scalars.items()]
+    else:  # a flat result: one row per scalar field
+        scalars = {
+            k: v for k, v in result.items() if not isinstance(v, (dict, list)) and k not in ("title", "recorded")
+        }
+        lines += ["| field | value |", "|---|---|"] + [f"| {k} | {cell(v)} |" for k, v in scalars.items()]
     return lines + [""]
+
+
+def commentary(json_path: Path) -> List[str]:
+    """What the numbers say, written by whoever ran it: ``<name>.md`` beside the result file."""
+    text_path = json_path.with_suffix(".md")
+    return [text_path.read_text().strip(), ""] if text_path.exists() else []
+
+
+def load_sweep(directory: Path) -> Optional[Dict[str, Any]]:
+    """A sweep's runs (``<directory>/<job>/result.json``), or None when the directory holds none."""
+    runs = []
+    for path in sorted(directory.glob("*/result.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
+        runs.append(json.loads(path.read_text()))
+    return {"name": directory.name, "runs": runs} if runs else None
+
+
+def sweep_title(sweep: Dict[str, Any]) -> str:
+    recipes = sorted({run.get("recipe") or "-" for run in sweep["runs"]})
+    policies = ", ".join(run.get("policy") or "-" for run in sweep["runs"])
+    return f"Policy sweep on the {', '.join(recipes)} recipe: {policies}"
+
+
+def sweep_body(path: str, sweep: Dict[str, Any], out_dir: Path) -> List[str]:
+    runs = sweep["runs"]
+    first = runs[0]
+    environment = first.get("environment", {})
+    versions = environment.get("versions", {})
+    # the overrides every run shares make the command; the ones that differ are what the sweep varied
+    shared = [o for o in first.get("overrides", []) if all(o in run.get("overrides", []) for run in runs)]
+    command = " ".join(["python train.py -m", *shared])
+    lines = [
+        f"`{path}` ({len(runs)} runs, one `result.json` each). Measured on "
+        f"{environment.get('device', {}).get('name')} with torch {versions.get('torch')}, triton "
+        f"{versions.get('triton', '-')}, lightning {versions.get('lightning', '-')}, on "
+        f"{(first.get('started_at') or '-')[:10]}; command: `{command}`",
+        "",
+    ]
+    baseline = next((r for r in runs if r.get("policy") == "none" and r.get("status") == "ok"), None)
+    base_tps = (baseline or {}).get("summary", {}).get("steady_items_per_s")
+    rows = []
+    for run in sorted(runs, key=lambda r: -(r.get("summary", {}).get("steady_items_per_s") or 0)):
+        summary = run.get("summary", {})
+        tps = summary.get("steady_items_per_s")
+        peak = summary.get("peak_memory_bytes")
+        rows.append(
+            {
+                "policy": run.get("policy"),
+                "status": run.get("status"),
+                "compile_s": summary.get("compile_time_s"),
+                "first_step_s": summary.get("first_step_time_s"),
+                "steady_step_ms": None
+                if summary.get("steady_step_time_s") is None
+                else summary["steady_step_time_s"] * 1e3,
+                "tokens_per_s": tps,
+                "vs_none": None if not (tps and base_tps) else tps / base_tps,
+                "mfu": summary.get("mfu"),
+                "recompiles": summary.get("recompiles"),
+                "graph_breaks": summary.get("graph_breaks"),
+                "peak_mem_gib": None if peak is None else peak / 2**30,
+                "final_val_loss": run.get("final_val_loss"),
+                "error": run.get("error"),
+            }
+        )
+    lines += markdown_table(list(rows[0]), rows) + [""]
+    lines.append(
+        f"- {first.get('steps')} steps per run, seed {first.get('seed')}, precision {first.get('precision')}, "
+        f"fresh compile cache: {first.get('fresh_cache')}; tokens/s: steady items/s of the run's telemetry"
+    )
+    if (DOCS / f"{sweep['name']}.md").exists():
+        lines.append(f"- The full report (`compile-trainer report`) and what was decided: docs/{sweep['name']}.md")
+    lines.append("")
+    if (out_dir / f"{sweep['name']}.png").exists():  # drawn by `compile-trainer report --plot`, not here
+        lines += [f"![compile time against steady throughput]({sweep['name']}.png)", ""]
+    return lines
 
 
 def train_step_plot(result: Dict[str, Any], path: Path) -> bool:
@@ -117,31 +213,80 @@ def train_step_plot(result: Dict[str, Any], path: Path) -> bool:
     return True
 
 
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def ordered(names: List[str], order: List[str]) -> List[str]:
+    return [n for n in order if n in names] + [n for n in names if n not in order]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--out", type=Path, default=DOCS / "BENCHMARKS.md")
     args = parser.parse_args()
-    files = {p.stem: json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))}
-    names = [n for n in ORDER if n in files] + sorted(n for n in files if n not in ORDER)
+    out_dir = args.out.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shown = "benchmarks/results"  # how the page names the results folder
+
+    # (heading, body lines) per section, in page order
+    headlines: List[tuple] = []
+    files = {p.stem: p for p in sorted(args.results.glob("*.json"))}
+    for name in ordered(sorted(files), HEADLINE_ORDER):
+        result = json.loads(files[name].read_text())
+        body = result_body(f"{shown}/{name}.json", result) + commentary(files[name])
+        if name == "train_step" and "rows" in result and train_step_plot(result, out_dir / "train_step.png"):
+            body += ["![cold start vs throughput](train_step.png)", ""]
+        headlines.append((result.get("title") or name, body))
+    for directory in sorted(p for p in args.results.iterdir() if p.is_dir() and p.name != EXPERIMENTS):
+        sweep = load_sweep(directory)
+        if sweep is not None:
+            headlines.append((sweep_title(sweep), sweep_body(f"{shown}/{directory.name}/", sweep, out_dir)))
+
+    experiments: List[tuple] = []
+    loaded = {p.stem: (p, json.loads(p.read_text())) for p in sorted((args.results / EXPERIMENTS).glob("*.json"))}
+    newest_first = sorted(loaded, key=lambda n: loaded[n][1].get("meta", {}).get("date", ""), reverse=True)
+    for name in ordered(newest_first, EXPERIMENT_ORDER):
+        path, result = loaded[name]
+        heading = result.get("experiment") or f"{result.get('title', name)} ({name})"
+        body = result_body(f"{shown}/{EXPERIMENTS}/{name}.json", result) + commentary(path)
+        experiments.append((heading, body))
+
+    seen: Dict[str, int] = {}
+    for sections in (headlines, experiments):  # no two sections share a heading (nor an anchor)
+        for i, (heading, body) in enumerate(sections):
+            seen[anchor(heading)] = seen.get(anchor(heading), 0) + 1
+            if seen[anchor(heading)] > 1:
+                sections[i] = (f"{heading} ({seen[anchor(heading)]})", body)
+
     lines = [
         "# Benchmarks",
         "",
-        "Generated by `python benchmarks/make_report.py` from `benchmarks/results/*.json`; do not edit by hand.",
+        f"Generated by `python benchmarks/make_report.py` from the result files in `{shown}/`; do not edit by hand.",
+        "Every table comes from one result file written by a benchmark script and states the device, versions,",
+        "date and command of the run that measured it; the text after a table was written by whoever ran it.",
         "What the numbers mean and what was decided from them: docs/regional.md, docs/optimizer.md,",
-        "docs/dynamic_shapes.md, docs/telemetry.md.",
+        "docs/dynamic_shapes.md, docs/telemetry.md, docs/sweep_gpt2_small.md.",
+        "",
+        f"- [Headlines](#headlines): one section per benchmark, its latest full run (`{shown}/<benchmark>.json`,",
+        f"  a sweep's runs in `{shown}/<sweep>/`).",
+        f"- [Experiments](#experiments): earlier and side runs (`{shown}/{EXPERIMENTS}/`), each titled by what",
+        "  it tested.",
+        "",
+        "## Headlines",
         "",
     ]
-    for name in names:
-        lines += section(name, files[name])
-        commentary = args.results / f"{name}.md"  # what the numbers say, written by whoever ran it
-        if commentary.exists():
-            lines += [commentary.read_text().strip(), ""]
-        if name == "train_step" and train_step_plot(files[name], args.out.parent / "train_step.png"):
-            lines += ["![cold start vs throughput](train_step.png)", ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines))
-    print(f"wrote {args.out} ({len(names)} benchmarks)")
+    lines += [f"- [{heading}](#{anchor(heading)})" for heading, _ in headlines] + [""]
+    for heading, body in headlines:
+        lines += [f"### {heading}", ""] + body
+    lines += ["## Experiments", ""]
+    lines += [f"- [{heading}](#{anchor(heading)})" for heading, _ in experiments] + [""]
+    for heading, body in experiments:
+        lines += [f"### {heading}", ""] + body
+    args.out.write_text("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {args.out} ({len(headlines)} headlines, {len(experiments)} experiments)")
 
 
 if __name__ == "__main__":

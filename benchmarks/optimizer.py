@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import StepTimer, format_table, write_result  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
-from compile_trainer.policy import OptimizerPolicy  # noqa: E402
+from compile_trainer.schema import OptimizerPolicy  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)

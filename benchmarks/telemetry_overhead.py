@@ -27,9 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from compile_trainer.apply import apply_policy  # noqa: E402
-from compile_trainer.fit_telemetry import FitTelemetry, TelemetryConfig  # noqa: E402
-from compile_trainer.policy import CompilePolicy, Rule, validate_policy  # noqa: E402
+from compile_trainer.compiling.regions import apply_policy  # noqa: E402
+from compile_trainer.lightning.fit_telemetry import FitTelemetry
+from compile_trainer.schema import (  # noqa: E402
+    CompilePolicy,
+    Rule,
+    TelemetryConfig,  # noqa: E402
+    validate_policy,
+)
 from recipes.gpt import LanguageModel  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0)

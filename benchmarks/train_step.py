@@ -204,7 +204,7 @@ def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.T
 
 
 def policy_for(variant: str, backend: str):
-    from compile_trainer.policy import to_policy
+    from compile_trainer.schema import to_policy
 
     return to_policy(VARIANTS[variant].policy, backend=backend, **dict(VARIANTS[variant].overrides))
 
@@ -224,8 +224,8 @@ def prepare_raw(variant: str, model: GPT, backend: str) -> Tuple[Callable[..., A
     if VARIANTS[variant].policy:
         from torch import nn
 
-        from compile_trainer.apply import apply_policy
-        from compile_trainer.background import BackgroundCompile
+        from compile_trainer.compiling.background import BackgroundCompile
+        from compile_trainer.compiling.regions import apply_policy
 
         holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
         policy = policy_for(variant, backend)
@@ -324,7 +324,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
-    from compile_trainer.callback import CompileCallback
+    from compile_trainer.lightning.callback import CompileCallback
 
     class StepClock(pl.Callback):
         """Times ``args.steps`` steps after ``args.warmup``, counted from the first step (or, with a background

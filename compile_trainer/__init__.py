@@ -1,14 +1,29 @@
-"""compile_trainer: declared torch.compile policies for Lightning training."""
+"""compile_trainer: declared torch.compile policies for Lightning training.
 
-from compile_trainer.apply import AppliedPolicy, apply_policy, format_plan_table
-from compile_trainer.background import BackgroundCompile, BackgroundCompileError
-from compile_trainer.callback import CompileCallback
-from compile_trainer.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
+The package's layers, from the bottom (docs/ARCHITECTURE.md): ``schema`` (declarations and pure checks),
+``planning`` (which modules become regions), ``compiling`` (regions, their call chain, backends, background,
+CUDA graphs), ``shapes``, ``optimizer``, ``telemetry``, ``lightning`` (the callback), ``runs`` (recipes' runs,
+sweeps, report) and ``cli``; ``compat`` is the one door to torch's private APIs.
+"""
+
+from compile_trainer.compiling.background import BackgroundCompile, BackgroundCompileError
+from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
+from compile_trainer.compiling.regions import AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.lightning.callback import CompileCallback
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
-from compile_trainer.policy import CompilePolicy, OptimizerPolicy, PolicyError, Rule, to_policy
-from compile_trainer.selection import CompilePlan, find_repeated_blocks, resolve_plan
-from compile_trainer.shapes import BatchShaper, PadCollate, ShapeError, ShapesPolicy
-from compile_trainer.warmup import RecompileError
+from compile_trainer.planning.selection import CompilePlan, find_repeated_blocks, resolve_plan
+from compile_trainer.schema import (
+    CompilePolicy,
+    CompileSettings,
+    OptimizerPolicy,
+    PolicyError,
+    Rule,
+    ShapesPolicy,
+    TelemetryConfig,
+    to_policy,
+)
+from compile_trainer.shapes.batch import BatchShaper, PadCollate, ShapeError
+from compile_trainer.shapes.region_inputs import RecompileError
 
 __all__ = [
     "AppliedPolicy",
@@ -18,6 +33,7 @@ __all__ = [
     "CompileCallback",
     "CompilePlan",
     "CompilePolicy",
+    "CompileSettings",
     "CompiledOptimizerStep",
     "GradientCopies",
     "OptimizerChoice",
@@ -28,6 +44,7 @@ __all__ = [
     "Rule",
     "ShapeError",
     "ShapesPolicy",
+    "TelemetryConfig",
     "apply_policy",
     "compile_optimizer",
     "copy_cuda_graph_gradients",

@@ -2,6 +2,6 @@
 
 import sys
 
-from compile_trainer.cli import main
+from compile_trainer.cli.main import main
 
 sys.exit(main())

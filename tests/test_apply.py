@@ -7,7 +7,7 @@ from torch import nn
 from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.utils.data import DataLoader
 
-from compile_trainer import CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
+from compile_trainer import CompileCallback, PolicyError, apply_policy, compat, format_plan_table, to_policy
 from recipes.data import StdlibTextDataModule
 from recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT, Wrapper, quiet_cpu_trainer
@@ -57,7 +57,7 @@ def test_policy_applied_twice_is_an_error_and_remove_restores_eager(tiny_gpt):
         apply_policy(root, to_policy("full", backend="eager"))
     assert "model.blocks.0" in format_plan_table(applied)
     applied.remove()
-    assert all(m._compiled_call_impl is None for m in root.modules())
+    assert all(compat.compiled_call(m) is None for m in root.modules())
     apply_policy(root, to_policy("full", backend="eager"))
 
 
@@ -160,7 +160,7 @@ def test_nested_blocks_refused_where_they_are_not_safe(tiny_gpt):
         apply_policy(
             Wrapper(tiny_gpt), to_policy({"rules": [{"name": "model", "action": "regional", "rest": "nested"}]})
         )
-    assert all(m._compiled_call_impl is None for m in tiny_gpt.modules()), "nothing compiled before the error"
+    assert all(compat.compiled_call(m) is None for m in tiny_gpt.modules()), "nothing compiled before the error"
     with pytest.raises(PolicyError, match="needs an AOT backend"):
         policy = {"rules": [{"name": "model", "action": "regional", "rest": "nested"}], "backend": "eager"}
         apply_policy(Wrapper(tiny_gpt), to_policy(policy))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from compile_trainer.backends import CompiledNotRun, CompileOnlyBackend, compile_only
+from compile_trainer.compiling.backends import CompiledNotRun, CompileOnlyBackend, compile_only
 
 
 def scale(x):

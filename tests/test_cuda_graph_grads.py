@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, apply_policy, to_policy
-from compile_trainer.cuda_graph_grads import copy_cuda_graph_gradients
+from compile_trainer.compiling.cuda_graph_grads import copy_cuda_graph_gradients
 from tests.conftest import quiet_cpu_trainer
 
 CUDA_GRAPHS = {"triton.cudagraphs": True}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_trainer.cli import EXIT_BAD_INPUT, EXIT_BREAKS, EXIT_OK, main
+from compile_trainer.cli.main import EXIT_BAD_INPUT, EXIT_BREAKS, EXIT_OK, main
 from tests import telemetry_models as models
 from tests.test_train_script import TINY
 
@@ -29,7 +29,7 @@ def test_broken_module_fails_with_the_break_located_and_clean_module_passes(caps
     assert main(["explain", "--module", "tests.telemetry_models:clean_regression", *EAGER, "--fail-on-break"]) == 0
     out = capsys.readouterr().out
     assert "graph breaks: 0" in out
-    assert "net.blocks  2        1         0           1" in out, "one graph for both blocks"
+    assert re.search(r"net.blocks  2 +1 +0 +0 +1 ", out), "one graph for both blocks"
 
 
 def test_break_declared_by_an_eager_rule_does_not_fail(capsys):
@@ -63,5 +63,5 @@ def test_python_m_compile_trainer_explains_a_recipe_config():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "one training step of LanguageModel" in result.stdout
-    assert re.search(r"model\.blocks\s+2\s+1\s+0\s+1\s", result.stdout), result.stdout
+    assert re.search(r"model\.blocks\s+2\s+1\s+0\s+0\s+1\s", result.stdout), result.stdout
     assert "0 graph break(s)" in result.stdout

@@ -10,7 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.flop_counter import FlopCounterMode
 
 from compile_trainer import CompileCallback
-from compile_trainer.fit_telemetry import TelemetryConfigError, to_telemetry_config
+from compile_trainer.schema import SettingsError, to_telemetry_config
 from tests import telemetry_models as models
 
 SLOW_COMPILE_S = 1.5
@@ -99,15 +99,15 @@ def test_telemetry_off_registers_nothing(tmp_path):
     ],
 )
 def test_bad_telemetry_settings_fail_when_the_callback_is_made(spec, message):
-    with pytest.raises(TelemetryConfigError, match=message):
+    with pytest.raises(SettingsError, match=message):
         CompileCallback("none", telemetry=spec)
     assert to_telemetry_config({"items_fn": models.items_in_batch}).items_fn is models.items_in_batch
 
 
 def test_wandb_offline_run_holds_series_event_table_and_summary(tmp_path):
     """``train.py`` as a user runs it: the recipe's tokens are the items, W&B gets tables and a summary."""
-    from compile_trainer.telemetry import EVENT_COLUMNS
-    from compile_trainer.wandb_offline import read_offline_run
+    from compile_trainer.runs.wandb_offline import read_offline_run
+    from compile_trainer.telemetry.compile_events import EVENT_COLUMNS
     from tests.test_train_script import run_train
 
     result = run_train(tmp_path, "compile=regional", "compile.backend=eager", "trainer.max_steps=4",
@@ -130,9 +130,10 @@ def test_wandb_offline_run_holds_series_event_table_and_summary(tmp_path):
 
     events = run.table("compile/events")
     assert events["columns"] == list(EVENT_COLUMNS)
-    recompiles = [dict(zip(events["columns"], row)) for row in events["data"] if row[0] == "recompile"]
-    assert len(recompiles) == summary["recompiles"] > 0
-    assert all("grad_mode" in event["reason"] for event in recompiles), "validation ran first, under no_grad"
+    recompiles = [row for row in events["data"] if row[0] == "recompile"]
+    assert recompiles == [] and summary["recompiles"] == 0, "a fixed-shape fit with validation does not recompile"
+    # Validation ran first (the sanity check), under no_grad: each region's training graph is its grad-mode variant.
+    assert summary["grad_mode_variants"] == 3
     regions = run.table("compile/regions")
     labels = ["model.embed", "model.blocks", "model.head"]
     assert [row[0] for row in regions["data"]] == labels

@@ -5,7 +5,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from compile_trainer.policy import bundled_policy_names
+from compile_trainer.schema import bundled_policy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ def test_a_wheel_installed_away_from_the_checkout_finds_the_bundled_policies(tmp
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     script = (
-        "import compile_trainer.policy as p; from compile_trainer import to_policy;"
+        "import compile_trainer.schema as p; from compile_trainer import to_policy;"
         "print(p.bundled_policy_dir()); print(','.join(p.bundled_policy_names()));"
         "print(to_policy('regional').mode)"
     )

@@ -5,9 +5,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from compile_trainer.background import background_compile_problem
-from compile_trainer.configs import register_configs
-from compile_trainer.policy import CompilePolicy, PolicyError, Rule, bundled_policy_names, to_policy
+from compile_trainer import CompileCallback, apply_policy, format_plan_table
+from compile_trainer.compiling.runtime_checks import background_compile_problem
+from compile_trainer.runs.hydra_configs import register_configs
+from compile_trainer.schema import CompilePolicy, PolicyError, Rule, bundled_policy_names, to_policy
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
@@ -37,11 +38,10 @@ def test_unknown_policy_name_lists_bundled_policies():
             {"mode": "fastest", "rules": [{"name": "m"}]},
             "invalid mode 'fastest'. Valid modes: default, reduce-overhead",
         ),
-        ({"backend": "tensorrtx", "rules": [{"name": "m"}]}, "unknown backend 'tensorrtx'. Valid backends:.*inductor"),
         ({"rules": [{"name": "m", "action": "partial"}]}, "invalid action 'partial'. Valid actions: full, regional"),
         ({"rules": [{"name": "m", "rest": "maybe"}]}, "invalid rest 'maybe'"),
         ({"rules": [{"action": "full"}]}, "give `name`"),
-        ({"rules": []}, "no rules"),
+        ({"rules": []}, "no rules and does not compile the optimizer"),
         ({"recompile_limit": 0, "rules": [{"name": "m"}]}, "recompile_limit"),
         ({"fullgraph": "sometimes", "rules": [{"name": "m"}]}, "fullgraph"),
     ],
@@ -49,6 +49,26 @@ def test_unknown_policy_name_lists_bundled_policies():
 def test_bad_policies_fail_with_what_is_valid(spec, message):
     with pytest.raises(PolicyError, match=message):
         to_policy(spec)
+
+
+def test_checks_that_need_torch_run_where_the_policy_is_applied(tiny_gpt):
+    spec = {"backend": "tensorrtx", "rules": [{"name": "blocks.*"}], "optimizer": {"backend": "nope"}}
+    policy = to_policy(spec)  # the schema layer does not ask torch which backends exist
+    with pytest.raises(PolicyError, match="unknown backend 'tensorrtx'. Valid backends:.*inductor"):
+        apply_policy(tiny_gpt, policy)
+    with pytest.raises(PolicyError, match="unknown backend 'tensorrtx'. Valid backends:.*inductor"):
+        CompileCallback(spec)
+    with pytest.raises(PolicyError, match="optimizer: unknown backend 'nope'"):
+        CompileCallback({**spec, "backend": "inductor"})
+
+
+def test_an_optimizer_only_policy_is_valid_and_compiles_no_module(tiny_gpt):
+    callback = CompileCallback({"optimizer": {"compile": True}})
+    assert callback.policy.optimizer.compile == "true" and not callback.policy.compiles_modules
+    applied = apply_policy(tiny_gpt, callback.policy)
+    assert applied.compiled == [] and "no module rules" in format_plan_table(applied)
+    with pytest.raises(PolicyError, match="no rules and does not compile the optimizer"):
+        to_policy({"rules": []})
 
 
 @pytest.mark.parametrize("name", bundled_policy_names())

@@ -5,11 +5,12 @@ import re
 
 import pytest
 
-from compile_trainer.cli import EXIT_BAD_INPUT
-from compile_trainer.cli import main as cli_main
-from compile_trainer.report import build_report
-from compile_trainer.results import write_result
-from compile_trainer.sweep import SweepConfigError, sweeper_value, to_sweep_settings
+from compile_trainer.cli.main import EXIT_BAD_INPUT
+from compile_trainer.cli.main import main as cli_main
+from compile_trainer.runs.recorder import sweeper_value
+from compile_trainer.runs.report import build_report
+from compile_trainer.runs.results import write_result
+from compile_trainer.schema import SettingsError, to_sweep_settings
 
 TOKENS_PER_STEP = 1000
 
@@ -27,6 +28,7 @@ def write_run(directory, job, policy, *, step=0.1, compile_s=0.0, compile_steps=
         "summary": {
             "compile_time_s": compile_s,
             "recompiles": 0,
+            "grad_mode_variants": 0,
             "graph_breaks": 0,
             "compile_steps": compile_steps,
             "compile_steps_time_s": compile_steps * (step + compile_s),
@@ -80,7 +82,7 @@ def test_payback_loss_check_unequal_runs_and_a_run_without_result(sweep_dir, cap
     assert rows["full"][5:7] == ["2.00x", "200"]
     assert rows["regional"][5:7] == ["0.83x", "never"]
     assert rows["none"][5:7] == ["1.00x", "-"]
-    assert rows["max_autotune"][10:] == ["2.2000", "+10.00%"]
+    assert rows["max_autotune"][11:] == ["2.2000", "+10.00%"]
     assert rows["buckets"][2] == "no result" and set(rows["buckets"][3:]) == {"-"}
     assert "6 runs, 5 ok, 0 failed, 1 without a result" in text
     assert re.search(r"max_autotune: final loss 2\.2000 is \+10\.0% off none's 2\.0000 \(tolerance 2%\)", text)
@@ -101,7 +103,7 @@ def test_loss_tolerance_and_objective_change_the_verdict(sweep_dir, capsys):
     assert report.recommendation().startswith("Recommendation: none (best train_time: 10.0 s; no compiled policy")
     assert cli_main(["report", str(sweep_dir), "--objective", "memory", "--no-plot", "--markdown"]) == 0
     markdown = capsys.readouterr().out
-    assert "| 1 | none | ok | 0.0 | 10,000 | 1.00x | - | 0 | 0 | 1.00 | 2.0000 | +0.00% |" in markdown
+    assert "| 1 | none | ok | 0.0 | 10,000 | 1.00x | - | 0 | 0 | 0 | 1.00 | 2.0000 | +0.00% |" in markdown
 
 
 def test_labels_name_the_overrides_that_vary_and_no_baseline_is_said(tmp_path):
@@ -141,5 +143,5 @@ def test_value_returned_to_the_sweeper():
     ],
 )
 def test_bad_sweep_settings_are_named(settings, message):
-    with pytest.raises(SweepConfigError, match=re.escape(message)):
+    with pytest.raises(SettingsError, match=re.escape(message)):
         to_sweep_settings(settings)

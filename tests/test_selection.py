@@ -1,8 +1,8 @@
 import pytest
 from torch import nn
 
-from compile_trainer.policy import PolicyError, to_policy
-from compile_trainer.selection import find_repeated_blocks, resolve_plan
+from compile_trainer.planning.selection import find_repeated_blocks, resolve_plan
+from compile_trainer.schema import PolicyError, to_policy
 from tests.conftest import Wrapper
 
 

@@ -12,9 +12,10 @@ from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metri
 from torch.utils.data import DataLoader
 
 from compile_trainer import PolicyError, apply_policy, to_policy
-from compile_trainer.configs import register_configs
-from compile_trainer.shapes import BatchShaper, PadCollate, ShapeError, ShapesPolicy, bucket_lengths
-from compile_trainer.warmup import RegionHooks
+from compile_trainer.runs.hydra_configs import register_configs
+from compile_trainer.schema.shapes import ShapesPolicy, bucket_lengths
+from compile_trainer.shapes.batch import BatchShaper, PadCollate, ShapeError
+from compile_trainer.shapes.region_inputs import RegionShapeInterceptors
 from recipes.data import PadToLongest, Paragraphs, TokenBatch
 from recipes.gpt import GPT
 from tests.conftest import TINY_GPT, Wrapper
@@ -180,7 +181,7 @@ def test_padded_batches_through_compiled_regions_match_eager():
 
 
 def test_dynamic_regions_compile_once_and_match_eager_losses_and_gradients():
-    """Outside Lightning: ``BatchShaper`` marks the batch, ``RegionHooks`` the regions' inputs."""
+    """Outside Lightning: ``BatchShaper`` marks the batch, ``RegionShapeInterceptors`` the regions' inputs."""
     torch.manual_seed(0)
     model = GPT(TINY_GPT)
     batches = [TokenBatch(torch.randint(1, 64, (3, n)), torch.randint(0, 64, (3, n))) for n in (5, 9, 14)]
@@ -199,7 +200,7 @@ def test_dynamic_regions_compile_once_and_match_eager_losses_and_gradients():
     policy = to_policy("dynamic", backend="aot_eager")
     applied = apply_policy(Wrapper(model), policy)
     shaper = BatchShaper(policy.shapes)
-    RegionHooks(applied, shaper)
+    RegionShapeInterceptors(applied, shaper)
     clear_compilation_metrics()
     compiled = losses_and_grads()
     for (loss, grads), (compiled_loss, compiled_grads) in zip(eager, compiled):

@@ -14,8 +14,8 @@ from torch._dynamo.utils import clear_compilation_metrics, counters, get_compila
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, to_policy
-from compile_trainer.wandb_offline import read_offline_run
-from compile_trainer.warmup import RecompileError
+from compile_trainer.runs.wandb_offline import read_offline_run
+from compile_trainer.shapes.region_inputs import RecompileError
 from recipes.data import TokenBatch
 from recipes.gpt import LanguageModel
 from tests.conftest import quiet_cpu_trainer

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from compile_trainer import apply_policy, to_policy
-from compile_trainer.telemetry import CompileTelemetry
+from compile_trainer.telemetry.compile_events import CompileTelemetry
 from tests import telemetry_models as models
 
 

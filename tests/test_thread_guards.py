@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_trainer.thread_guards import REPLACEMENTS, guarded_thread
+from compile_trainer.compiling.thread_guards import REPLACEMENTS, guarded_thread
 
 
 class PausesWhileTraced(nn.Module):

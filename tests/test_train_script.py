@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from compile_trainer.wandb_offline import read_offline_run
+from compile_trainer.runs.wandb_offline import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

@@ -25,7 +25,11 @@ def test_benchmarks_page_regenerates_from_the_result_files(tmp_path):
     page = tmp_path / "BENCHMARKS.md"
     run_without_config_packages(["benchmarks/make_report.py", "--out", str(page)])
     text = page.read_text()
-    for result in (ROOT / "benchmarks" / "results").glob("*.json"):
-        assert f"benchmarks/results/{result.name}" in text
+    for result in (ROOT / "benchmarks" / "results").rglob("*.json"):
+        if result.name != "result.json":  # a sweep's runs share one section, named by their folder
+            assert result.relative_to(ROOT).as_posix() in text
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    assert len(headings) == len(set(headings)), "no two sections share a heading"
+    assert text.index("## Headlines") < text.index("## Experiments")
     assert "NVIDIA H100" in text and "torch 2.11" in text and "command: `python benchmarks/" in text
     assert (tmp_path / "train_step.png").stat().st_size > 10_000

@@ -1,0 +1,1 @@
+"""The ``compile-trainer`` command: ``explain`` and ``report``."""

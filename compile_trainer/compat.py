@@ -1,0 +1,301 @@
+"""Every private torch API the library uses, in one place, with the torch versions it was checked on.
+
+The rest of the package reaches torch's internals only through this module. Each entry says what it
+reaches, the versions it was checked on ("checked": read in the sources and run; CPU unless said), and the
+upstream issue or PR where one exists. ``ENTRIES`` lists a probe per entry: ``tests/test_compat.py`` runs
+every probe on the installed torch, so a torch upgrade that moves one of them fails there first, by name.
+
+Supported: torch >= 2.9 (checked on 2.9.1, 2.13.0 on the CPU; 2.11.0 on an H100).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+MIN_TORCH = (2, 9)
+
+
+def torch_version() -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:2])
+
+
+def needs_torch(feature: str, version: tuple) -> Optional[str]:
+    """``None`` when the installed torch is at least ``version``; else a sentence saying what ``feature`` needs."""
+    if torch_version() >= version:
+        return None
+    return f"{feature} needs torch >= {'.'.join(map(str, version))}; this is torch {torch.__version__}"
+
+
+# -- Dynamo: compile events -------------------------------------------------------------------------------
+# torch._dynamo.callback.callback_handler: compile start/end callbacks with a trigger and a compile id
+# (2.8+; checked 2.9.1-2.13). torch._dynamo.reset() clears the handlers: register again after a reset.
+
+
+def dynamo_callback_handler() -> Any:
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError as error:  # pragma: no cover - torch < 2.8
+        raise RuntimeError(f"compile telemetry {needs_torch('torch._dynamo.callback', (2, 8))}") from error
+    return callback_handler
+
+
+def compilation_metrics() -> Any:
+    """Dynamo's bounded deque of ``CompilationMetrics`` (fields vary by version: read with ``getattr``).
+
+    ``recompile_reason`` from 2.7; checked 2.9.1-2.13.
+    """
+    return torch._dynamo.utils.get_compilation_metrics()
+
+
+def graph_break_reasons() -> list:
+    """One ``GraphCompileReason`` per graph break (the list ``torch._dynamo.explain`` reads; checked 2.9.1-2.13)."""
+    reasons = getattr(torch._dynamo.utils, "graph_break_reasons", None)
+    if reasons is None:  # pragma: no cover
+        raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.utils.graph_break_reasons")
+    return reasons
+
+
+def unique_graphs() -> int:
+    """Graphs Dynamo has compiled in this process (``counters["stats"]``; process-wide, never reset)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def cudagraph_skips() -> int:
+    """Graphs Inductor compiled for CUDA graphs and then ran without them (``counters["inductor"]``)."""
+    return torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+# Dynamo's texts: matched where it gives no structured field (checked 2.9.1-2.13).
+FAIL_ON_RECOMPILE = "fail_on_recompile"  # the RuntimeError under set_stance("fail_on_recompile")
+RECOMPILE_LIMIT_TEXTS = ("recompile limit", "cache_size_limit")  # fail_reason at the limit; wording changed in 2.10
+
+
+def is_fail_on_recompile(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and FAIL_ON_RECOMPILE in str(error)
+
+
+def is_recompile_limit(fail_reason: str) -> bool:
+    return any(text in fail_reason.lower() for text in RECOMPILE_LIMIT_TEXTS)
+
+
+# -- Dynamo: settings --------------------------------------------------------------------------------------
+
+
+def recompile_limit() -> int:
+    return torch._dynamo.config.recompile_limit
+
+
+def set_recompile_limit(limit: int) -> int:
+    """Set Dynamo's process-wide recompile limit; returns the previous one (to restore it with)."""
+    previous = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = limit
+    return previous
+
+
+def list_backends() -> List[str]:
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    return torch._dynamo.lookup_backend(name)
+
+
+def inductor_backend(mode: Optional[str], options: Optional[Dict[str, Any]], dynamic: Optional[bool]) -> Any:
+    """The backend object ``torch.compile(backend="inductor", mode=..., options=...)`` builds (checked 2.9.1-2.13)."""
+    return torch._TorchCompileInductorWrapper(mode, options, dynamic)
+
+
+def inductor_mode_options(mode: str) -> Dict[str, Any]:
+    return torch._inductor.list_mode_options(mode)
+
+
+# -- Shapes ------------------------------------------------------------------------------------------------
+# mark_dynamic and friends live in torch._dynamo (documented, but under a private package; 2.0+).
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: Any, min: Optional[int] = None, max: Optional[int] = None) -> None:
+    torch._dynamo.mark_dynamic(tensor, dim, min=min, max=max)
+
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dims: Any) -> None:
+    torch._dynamo.maybe_mark_dynamic(tensor, dims)
+
+
+def mark_static_address(tensor: torch.Tensor) -> None:
+    """A tensor whose storage stays put: CUDA graphs need not copy it, and no guard is added on its address."""
+    torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+# -- Modules: compiling in place ---------------------------------------------------------------------------
+# nn.Module.compile() sets module._compiled_call_impl, which Module.__call__ runs instead of _call_impl;
+# state_dict keys stay as they are (checked 2.9.1-2.13).
+
+
+def install_compiled_call(module: nn.Module, call: Optional[Callable[..., Any]]) -> None:
+    """Make ``module(...)`` run ``call`` (``None``: its own forward again)."""
+    module._compiled_call_impl = call
+
+
+def compiled_call(module: nn.Module) -> Optional[Callable[..., Any]]:
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def call_uncompiled(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module(...)`` with its hooks, without the compiled call installed on it."""
+    return module._call_impl(*args, **kwargs)
+
+
+def user_compiled(module: nn.Module) -> Optional[str]:
+    """How the user compiled ``module`` already (``module.compile()`` / ``torch.compile(module)``), or None."""
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        return "torch.compile(module)"
+    if compiled_call(module) is not None:
+        return "module.compile()"
+    return None
+
+
+def has_nested_compile_region() -> bool:
+    """``torch.compiler.nested_compile_region`` (2.8+)."""
+    return hasattr(torch.compiler, "nested_compile_region")
+
+
+# -- Background compile ------------------------------------------------------------------------------------
+# AOTAutograd compiles the backward with the forward under this flag (2.11+; absent in 2.9.1 and 2.10).
+EAGER_BACKWARD_FLAG = "force_non_lazy_backward_lowering"
+
+
+def eager_backward_lowering_problem() -> Optional[str]:
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, EAGER_BACKWARD_FLAG):
+        return (
+            f"needs AOTAutograd to compile backward graphs with the forward (torch._functorch.config."
+            f"{EAGER_BACKWARD_FLAG}, present in torch 2.11 and 2.13), which torch {torch.__version__} lacks"
+        )
+    return None
+
+
+def eager_backward_lowering() -> Any:
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch({EAGER_BACKWARD_FLAG: True})
+
+
+def import_cudagraph_trees() -> None:
+    """CUDA graph trees create per-thread state on import; the thread that runs the graphs needs it (2.11)."""
+    import torch._inductor.cudagraph_trees  # noqa: F401
+
+
+def fx_patcher() -> type:
+    """FX's tracer patches ``nn.Module.__call__`` process-wide through this class while it traces (checked
+    2.9.1-2.13); the background compile confines those patches to its thread."""
+    from torch.fx import _symbolic_trace
+
+    return _symbolic_trace._Patcher
+
+
+# -- Optimizers --------------------------------------------------------------------------------------------
+# Optimizer.step runs the global and per-optimizer step hooks; a replacement step must run them too, set
+# `_opt_called` (LR schedulers warn without it) and say whether it handles AMP scaling (checked 2.9.1-2.13).
+LR_SCHEDULER_WRAPPED = "_wrapped_by_lr_sched"  # LRScheduler does not wrap a step that has this attribute
+
+
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple:
+    """(pre hooks, post hooks) that ``Optimizer.step`` would run, in its order."""
+    from torch.optim import optimizer as optim_module
+
+    pre = [*optim_module._global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()]
+    post = [*optimizer._optimizer_step_post_hooks.values(), *optim_module._global_optimizer_post_hooks.values()]
+    return pre, post
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    optimizer._opt_called = True
+
+
+def set_step_handles_amp_scaling(optimizer: torch.optim.Optimizer, handles: bool) -> None:
+    """A GradScaler unscales and skips inf steps itself unless the step says it does (as fused steps do)."""
+    optimizer._step_supports_amp_scaling = handles
+
+
+def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why torch's fused kernel cannot run this optimizer's parameters, or None if it can."""
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    try:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                _device_dtype_check_for_fused(param)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+# -- Caches ------------------------------------------------------------------------------------------------
+
+
+def fresh_inductor_cache() -> Any:
+    """Empty Inductor and Triton caches for the duration (``fresh_cache``; ``fresh_inductor_cache`` before 2.10)."""
+    from torch._inductor import utils
+
+    return utils.fresh_cache() if hasattr(utils, "fresh_cache") else utils.fresh_inductor_cache()
+
+
+# -- The probes --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    probe: Callable[[], Any]  # raises when the entry is gone or changed shape
+
+
+def _probe_optimizer() -> None:
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    pre, post = optimizer_step_hooks(optimizer)
+    assert isinstance(pre, list) and isinstance(post, list)
+    mark_optimizer_stepped(optimizer)
+    set_step_handles_amp_scaling(optimizer, False)
+    assert fused_unsupported_reason(optimizer) is None or isinstance(fused_unsupported_reason(optimizer), str)
+
+
+def _probe_compiled_call() -> None:
+    module = nn.Linear(2, 2)
+    install_compiled_call(module, lambda x: x * 0)
+    assert torch.equal(module(torch.ones(1, 2)), torch.zeros(1, 2)), "Module.__call__ ignores _compiled_call_impl"
+    assert user_compiled(module) == "module.compile()"
+    assert call_uncompiled(module, torch.ones(1, 2)).shape == (1, 2)
+    install_compiled_call(module, None)
+    assert user_compiled(module) is None and user_compiled(torch.compile(module)) == "torch.compile(module)"
+
+
+ENTRIES = [
+    Entry("dynamo_callback_handler", lambda: dynamo_callback_handler().register_start_callback),
+    Entry("compilation_metrics", lambda: list(compilation_metrics())),
+    Entry("graph_break_reasons", lambda: list(graph_break_reasons())),
+    Entry("unique_graphs", unique_graphs),
+    Entry("cudagraph_skips", cudagraph_skips),
+    Entry("recompile_limit", lambda: recompile_limit() >= 1),
+    Entry("set_recompile_limit", lambda: set_recompile_limit(set_recompile_limit(3)) == 3),
+    Entry("list_backends", lambda: {"inductor", "eager", "aot_eager"} <= set(list_backends())),
+    Entry("lookup_backend", lambda: lookup_backend("eager")),
+    Entry("inductor_backend", lambda: inductor_backend(None, None, None)),
+    Entry("inductor_mode_options", lambda: inductor_mode_options("max-autotune")),
+    Entry("mark_dynamic", lambda: mark_dynamic(torch.zeros(2, 3), 1, min=2, max=8)),
+    Entry("maybe_mark_dynamic", lambda: maybe_mark_dynamic(torch.zeros(2, 3), [1])),
+    Entry("mark_static_address", lambda: mark_static_address(torch.zeros(2))),
+    Entry("compiled_call", _probe_compiled_call),
+    Entry("fx_patcher", lambda: fx_patcher().patch_method),
+    Entry("optimizer internals", _probe_optimizer),
+    Entry("fresh_inductor_cache", fresh_inductor_cache),
+]
+# Present from the version named: probed only there.
+VERSIONED_ENTRIES = [
+    (Entry("eager_backward_lowering", eager_backward_lowering), (2, 11)),
+    (Entry("nested_compile_region", lambda: torch.compiler.nested_compile_region), (2, 8)),
+]

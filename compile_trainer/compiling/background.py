@@ -1,0 +1,252 @@
+"""Compiling in the background: the first steps run eagerly while a thread compiles the regions.
+
+A cold compile of a large model costs tens of seconds before the first step; compiling less (regional
+compilation) only shortens it. Compiling on a thread hides it instead: the first step runs eagerly and
+records each region's inputs, a thread then compiles every region by calling it with copies of them
+(the forward graph and, eagerly, the backward graph), training goes on eagerly meanwhile, and at the first
+step boundary after the thread is done the compiled regions take over.
+
+The thread's call compiles but does not run the compiled graph (``compile_trainer.backends``): nothing
+runs on the GPU from that thread, no random numbers are drawn, no activations are held. It calls a shadow
+of the region (the same parameters, its own module objects and buffers), so that a mode switch on the
+training thread (``model.eval()`` for validation) cannot change what is traced. It creates the Dynamo
+cache entry that the real calls then hit: the same code object and backend, and guards that pass because
+the grad mode, autocast state and input metadata are the recorded ones. Kernel autotuning and, with CUDA
+graphs, warm-up and recording happen at the first compiled step, on the training thread. The compilers'
+save-and-restore of the process-wide random-number state is skipped on the thread (it would rewind the
+training thread's generators); the step at which the compiled regions take over varies from run to run.
+
+Without Lightning::
+
+    applied = apply_policy(model, policy)
+    background = BackgroundCompile(applied)  # from here the regions run eagerly until compiled
+    for batch in loader:
+        background.poll()  # starts the compile after the first step, installs it when it is ready
+        train_step(batch)
+    background.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from compile_trainer import compat
+from compile_trainer.compiling.backends import CompiledNotRun, compile_only
+from compile_trainer.compiling.region_call import BACKGROUND
+from compile_trainer.compiling.regions import AppliedPolicy, CompiledRegion
+from compile_trainer.compiling.runtime_checks import background_compile_problem
+
+
+class BackgroundCompileError(RuntimeError):
+    """A region failed to compile on the background thread."""
+
+
+def shadow_module(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` that shares its parameters but owns copies of its buffers (recursively)."""
+    shadow = copy.copy(module)
+    shadow.__dict__["_buffers"] = {k: None if b is None else b.detach().clone() for k, b in module._buffers.items()}
+    shadow.__dict__["_modules"] = {k: None if m is None else shadow_module(m) for k, m in module._modules.items()}
+    return shadow
+
+
+def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides (a slice of a batch is not contiguous: Dynamo guards on strides),
+    ``requires_grad``, and Dynamo's shape marks (``mark_dynamic`` sets attributes on the tensor object)."""
+    copied = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+    copied.copy_(tensor.detach()).requires_grad_(tensor.requires_grad)
+    for name, mark in vars(tensor).items():
+        if name.startswith("_dynamo"):
+            setattr(copied, name, copy.copy(mark))
+    return copied
+
+
+@dataclass
+class RecordedCall:
+    """One call of a region, as the background thread replays it."""
+
+    module: nn.Module  # a shadow of the region
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    grad_enabled: bool
+    autocast: Dict[str, Tuple[bool, torch.dtype]]  # device type -> (enabled, dtype)
+    autocast_cache: bool  # Dynamo guards on it too (Lightning's mixed precision turns it off)
+    device: Optional[torch.device]
+
+    @classmethod
+    def record(cls, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> RecordedCall:
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        device_types = {"cpu"} | {t.device.type for t in tensors}
+        cuda = next((t for t in tensors if t.device.type == "cuda"), None)
+        return cls(
+            module=shadow_module(module),
+            args=tree_map_only(torch.Tensor, _copy_tensor, args),
+            kwargs=tree_map_only(torch.Tensor, _copy_tensor, kwargs),
+            grad_enabled=torch.is_grad_enabled(),
+            autocast={t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in sorted(device_types)},
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            device=cuda.device if cuda is not None else None,
+        )
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The grad mode and autocast state of the recorded call (thread-local state, so set per thread):
+        Dynamo guards on them, and a difference would recompile at the first compiled step."""
+        with contextlib.ExitStack() as stack:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device_type, (enabled, dtype) in self.autocast.items():
+                if enabled:  # a new thread starts with autocast off
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype, cache_enabled=self.autocast_cache))
+            cache = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(self.autocast_cache)
+            stack.callback(torch.set_autocast_cache_enabled, cache)
+            yield
+
+    def replay(self, item: CompiledRegion) -> None:
+        """Compile ``item`` by calling its entry on the shadow, up to where its first graph would run.
+
+        A region with graph breaks gets its first graph compiled here, the rest at their first real call.
+        """
+        compiled = item.compile_on(self.module)
+        with self.context(), compile_only(), contextlib.suppress(CompiledNotRun):
+            compiled(*self.args, **self.kwargs)
+
+
+class BackgroundCompile:
+    """Defers ``applied``'s compiled regions: eager steps until a background thread has compiled them.
+
+    Each region's first training call (grad on) is recorded; evaluation graphs compile at their first call
+    after the switch, as usual (compiling them on the thread too made the training graph wait for them:
+    54 s instead of about 32 s for GPT-2 small on an H100, behind Lightning's sanity check). Call ``poll()``
+    at every step boundary (before the step): once a call is recorded it starts the thread; once the
+    thread is done it installs the compiled regions (or raises ``BackgroundCompileError`` naming the
+    region that failed). ``close()`` waits for a running thread.
+    """
+
+    def __init__(self, applied: AppliedPolicy):
+        problem = background_compile_problem()
+        if problem:
+            raise RuntimeError(f"background compile {problem}")
+        self.applied = applied
+        # entry name -> its first training call; blocks of one class share an entry, and one graph
+        self.recorded: Dict[str, Tuple[CompiledRegion, RecordedCall]] = {}
+        self.state = "recording"  # -> "compiling" -> "installed"
+        self.eager_steps = 0
+        self.compile_seconds: Optional[float] = None
+        self.compiled_after_seconds: Optional[float] = None  # from the first poll to the install
+        self._first_poll: Optional[float] = None
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[Tuple[str, BaseException]] = None
+        self._recorder = _RecordAndRunEagerly(self)
+        applied.interceptors.add(self._recorder)
+
+    @property
+    def installed(self) -> bool:
+        return self.state == "installed"
+
+    def poll(self) -> bool:
+        """Start or finish the background compile as far as it can go now; True once installed."""
+        now = time.perf_counter()
+        if self._first_poll is None:
+            self._first_poll = now
+        if self.state == "recording" and self.recorded:
+            self.state = "compiling"
+            if self.applied.uses_cuda_graphs:
+                # CUDA graph trees create their per-thread state on the thread that imports them; the
+                # training thread runs the graphs, and torch 2.11 fails on a thread without that state.
+                compat.import_cudagraph_trees()
+            self._thread = threading.Thread(target=self._compile, name="compile_trainer-background", daemon=True)
+            self._thread.start()
+        elif self.state == "compiling" and not self._thread.is_alive():
+            self._install(now)
+        if not self.installed:
+            self.eager_steps += 1
+        return self.installed
+
+    def wait(self) -> None:
+        """Block until the background compile is done, and install it."""
+        if self.state == "compiling":
+            self._thread.join()
+            self._install(time.perf_counter())
+
+    def close(self) -> None:
+        """End of training: wait for a running compile (a thread cannot be stopped), then install it."""
+        if self.state == "recording":  # never started: nothing was recorded, compile lazily as usual
+            self._stop_running_eagerly()
+            self.state = "installed"
+        self.wait()
+
+    def describe(self) -> str:
+        if self.compile_seconds is None:
+            return f"background compile: {self.state}, {self.eager_steps} eager steps so far"
+        return (
+            f"background compile: {len(self.recorded)} graphs in {self.compile_seconds:.1f} s on a thread, "
+            f"while {self.eager_steps} steps ran eagerly; compiled regions in use "
+            f"{self.compiled_after_seconds:.1f} s after the first step started"
+        )
+
+    def summary(self) -> Dict[str, Any]:
+        return {
+            "background_compile_s": self.compile_seconds,
+            "background_eager_steps": self.eager_steps,
+            "background_compiled_after_s": self.compiled_after_seconds,
+        }
+
+    def _compile(self) -> None:
+        started = time.perf_counter()
+        name = "?"
+        try:
+            # Compile backward graphs now, on this thread: lazily, they would compile inside the first real
+            # backward, on the autograd engine's thread, stalling training for seconds.
+            with compat.eager_backward_lowering():
+                for item, recorded in self.recorded.values():
+                    name = item.region.name
+                    recorded.replay(item)
+                    recorded.module, recorded.args, recorded.kwargs = None, (), {}  # free the copies
+        except BaseException as error:  # noqa: BLE001 - reported on the training thread by poll()
+            self._failure = (name, error)
+        self.compile_seconds = time.perf_counter() - started
+
+    def _install(self, now: float) -> None:
+        if self._failure is not None:
+            name, error = self._failure
+            self._failure = None
+            self.state = "failed"
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise BackgroundCompileError(
+                f"background compile of region {name!r} failed ({type(error).__name__}: {cause}); the model "
+                "ran eagerly until now. Compile it in the foreground (background: false) to debug."
+            ) from error
+        self._stop_running_eagerly()
+        self.state = "installed"
+        self.compiled_after_seconds = now - (self._first_poll or now)
+
+    def _stop_running_eagerly(self) -> None:
+        self.applied.interceptors.remove(self._recorder)
+
+
+class _RecordAndRunEagerly:
+    """The background compile's interceptor: records each entry's first training call, runs regions eagerly."""
+
+    position = BACKGROUND
+    replaces_compiled = True
+
+    def __init__(self, background: BackgroundCompile):
+        self.background = background
+
+    def __call__(self, item: CompiledRegion, proceed: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        module, background = item.region.module, self.background
+        training = module.training and torch.is_grad_enabled()
+        if background.state == "recording" and training and item.entry_name not in background.recorded:
+            background.recorded[item.entry_name] = (item, RecordedCall.record(module, args, kwargs))
+        return compat.call_uncompiled(module, *args, **kwargs)

@@ -1,0 +1,342 @@
+"""Applying a plan: compile regions in place, keep eager modules eager, report what happened.
+
+Regions are compiled in place (the module's compiled call, as ``nn.Module.compile`` sets it), so
+``state_dict()`` keys never gain ``_orig_mod.``. Each region's top frame is a small entry function
+whose code object is made per (class, settings): all blocks of one class share one cache entry,
+and therefore one compiled graph, while regions of other classes never collide in it. This also
+works for classes defined in ``torch.nn``, which ``module.compile()`` silently skips on
+torch < 2.14 (their ``forward`` lives in files Dynamo does not trace as a top frame).
+
+What a region's call does besides running the compiled code is the business of its interceptors
+(``compile_trainer.compiling.region_call``); process-wide settings the policy changes (Dynamo's recompile
+limit) are restored by ``AppliedPolicy.remove()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from compile_trainer import compat
+from compile_trainer.compiling.backends import CompileOnlyBackend
+from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
+from compile_trainer.compiling.runtime_checks import check_policy_runtime
+from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
+from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError
+from compile_trainer.tables import text_table
+
+APPLIED_ATTR = "_compile_trainer_applied"
+CPU_FALLBACK_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+ENTRY_PREFIX = "compiled_region__"
+NESTED_BACKENDS = ("aot_eager", "inductor")
+
+
+@dataclass
+class CompiledRegion:
+    """A region as compiled: the arguments given to ``torch.compile`` and how often it ran."""
+
+    region: Region
+    entry: types.FunctionType  # the top frame Dynamo compiles; its code name is what Dynamo reports
+    compile_kwargs: Dict[str, Any]
+    calls: int = 0
+    # Compiled by a background thread: with a backend whose graphs it can compile without running them.
+    background: bool = False
+
+    @property
+    def entry_name(self) -> str:
+        return self.entry.__name__
+
+    def compile_on(self, module: nn.Module) -> Callable[..., Any]:
+        """``torch.compile`` of the entry bound to ``module``: every module given here shares one cache entry."""
+        kwargs = dict(self.compile_kwargs)
+        if self.background:
+            backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
+            kwargs["backend"] = CompileOnlyBackend(*backend)
+        return torch.compile(types.MethodType(self.entry, module), **kwargs)
+
+
+@dataclass
+class AppliedPolicy:
+    """What ``apply_policy`` did to a model; ``remove()`` undoes it."""
+
+    policy: CompilePolicy
+    plan: CompilePlan
+    root: nn.Module
+    compiled: List[CompiledRegion] = field(default_factory=list)
+    eager_inside: List[str] = field(default_factory=list)
+    # block class -> its own ``forward`` before it was marked as a nested compile region (None: inherited)
+    nested_classes: Dict[type, Optional[Callable[..., Any]]] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+    # What every region's call runs before (or instead of) its compiled code.
+    interceptors: InterceptorChain = field(default_factory=InterceptorChain)
+    # Process-wide settings held while the policy is applied; closed by remove().
+    process_settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return any(kwargs_use_cuda_graphs(item.compile_kwargs) for item in self.compiled)
+
+    def begin_step(self) -> None:
+        """Call before each training or evaluation step (``CompileCallback`` does).
+
+        With CUDA graphs, a step's outputs live in a memory pool that the next step's replays overwrite;
+        PyTorch starts a new step when a compiled function is called again, which is wrong as soon as one
+        step calls several regions (the second block would overwrite the first block's saved outputs).
+        Marking the step makes the boundary explicit. Does nothing without CUDA graphs, or while an
+        interceptor runs the regions eagerly instead (a background compile).
+        """
+        if self.uses_cuda_graphs and not self.interceptors.replaces_compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def shared_counts(self) -> Dict[str, int]:
+        """How many regions share each compiled entry (and so one compiled graph)."""
+        counts: Dict[str, int] = {}
+        for item in self.compiled:
+            counts[item.entry_name] = counts.get(item.entry_name, 0) + 1
+        return counts
+
+    def rows(self) -> List[Dict[str, Any]]:
+        """The plan as table rows: one per selected module."""
+        shared = self.shared_counts()
+        rows = []
+        for item in self.compiled:
+            region, settings = item.region, _describe_kwargs(item.compile_kwargs)
+            rows.append(
+                _row(
+                    region.name,
+                    region.module,
+                    ROLE_ACTIONS[region.role],
+                    region.rule_index,
+                    settings,
+                    shared[item.entry_name],
+                )
+            )
+            blocks = [self.root.get_submodule(name) for name in region.nested_blocks]
+            for name, block in zip(region.nested_blocks, blocks):
+                same_class = sum(type(other) is type(block) for other in blocks)
+                rows.append(_row(name, block, "nested block", region.rule_index, settings, same_class))
+        for name, rule_index in self.plan.eager.items():
+            action = "eager (graph break)" if name in self.eager_inside else "eager"
+            rows.append(_row(name, self.root.get_submodule(name), action, rule_index, "-", 0))
+        return rows
+
+    def remove(self) -> None:
+        """Restore every module to plain eager execution, and the process-wide settings the policy changed."""
+        for item in self.compiled:
+            compat.install_compiled_call(item.region.module, None)
+        self.interceptors = InterceptorChain()
+        for cls, forward in self.nested_classes.items():
+            if forward is None:
+                delattr(cls, "forward")
+            else:
+                cls.forward = forward
+        for name in self.eager_inside:
+            self.root.get_submodule(name).__dict__.pop("forward", None)
+        self.root.__dict__.pop(APPLIED_ATTR, None)
+        self.process_settings.close()
+
+
+ROLE_ACTIONS = {"full": "full", "block": "regional block", "rest": "regional rest", "nested": "full, nested blocks"}
+
+
+def _row(name: str, module: nn.Module, action: str, rule: int, settings: str, shared_by: int) -> Dict[str, Any]:
+    return {
+        "module": name,
+        "class": type(module).__name__,
+        "action": action,
+        "rule": rule,
+        "settings": settings,
+        "shares_graph_with": shared_by,
+    }
+
+
+def _describe_kwargs(kwargs: Dict[str, Any]) -> str:
+    text = f"backend={kwargs['backend']} mode={kwargs['mode'] or 'default'}"
+    if kwargs["fullgraph"]:
+        text += " fullgraph"
+    if kwargs["dynamic"] is not None:
+        text += f" dynamic={kwargs['dynamic']}"
+    if kwargs["options"]:
+        text += f" options={kwargs['options']}"
+    return text
+
+
+def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dict[str, Any], List[str]]:
+    """``torch.compile`` keyword arguments for ``settings`` on ``device``, with notes on what changed.
+
+    ``mode`` and ``options`` only mean something to Inductor; both may be given (the mode's options
+    are merged under the explicit ones). CUDA-graph and autotuning modes fall back to the default
+    mode on the CPU, where they either do nothing or take many minutes.
+    """
+    notes: List[str] = []
+    mode, options = settings.mode, dict(settings.options)
+    if settings.backend != "inductor" and (mode or options):
+        notes.append(f"mode/options ignored: backend {settings.backend!r} does not take them")
+        mode, options = None, {}
+    if device.type == "cpu" and mode in CPU_FALLBACK_MODES:
+        notes.append(f"mode {mode!r} needs a GPU; using the default mode on the CPU")
+        mode = None
+    if mode == "default":
+        mode = None
+    if mode and options:
+        options = {**compat.inductor_mode_options(mode), **options}
+        mode = None
+    kwargs = {
+        "backend": settings.backend,
+        "mode": mode,
+        "fullgraph": settings.fullgraph,
+        "dynamic": settings.dynamic,
+        "options": options or None,
+    }
+    return kwargs, notes
+
+
+def kwargs_use_cuda_graphs(kwargs: Dict[str, Any]) -> bool:
+    return kwargs["mode"] == "reduce-overhead" or bool((kwargs["options"] or {}).get("triton.cudagraphs"))
+
+
+def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return compat.call_uncompiled(module, *args, **kwargs)
+
+
+_entries: Dict[Tuple[type, str], types.FunctionType] = {}  # (class, settings and region) -> entry
+
+
+def renamed_function(function: types.FunctionType, name: str) -> types.FunctionType:
+    """A copy of ``function`` with its own code object named ``name``: Dynamo caches compiled code per code
+    object, and its metrics report the code's name."""
+    code = function.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, function.__globals__, name)
+
+
+def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
+    """A copy of ``_call_region`` per (class, key): regions of one key share a cache entry, and one graph."""
+    key = (cls, key_suffix)
+    if key not in _entries:
+        same_class = sum(1 for c, _ in _entries if c is cls)
+        name = f"{ENTRY_PREFIX}{cls.__name__}" + (f"_{same_class}" if same_class else "")
+        _entries[key] = renamed_function(_call_region, name)
+    return _entries[key]
+
+
+def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device) -> None:
+    where = f"{region.name!r} (rule {region.rule_index}, rest: nested)"
+    if kwargs["backend"] not in NESTED_BACKENDS:
+        raise PolicyError(f"{where} needs an AOT backend ({', '.join(NESTED_BACKENDS)}), not {kwargs['backend']!r}.")
+    if kwargs["backend"] == "inductor" and device.type == "cpu":
+        raise PolicyError(
+            f"{where}: Inductor on the CPU computed wrong gradients for nested compile regions (seen on torch 2.13); "
+            "use rest: compile, or backend aot_eager on the CPU."
+        )
+
+
+def _mark_nested_blocks(applied: AppliedPolicy, root: nn.Module, region: Region) -> None:
+    """Mark each block class's ``forward`` as a nested compile region (a no-op in eager execution).
+
+    The mark must sit on the class's function: marking a per-instance bound method makes Dynamo reuse
+    the first block's parameters for every block (wrong results, seen on torch 2.13).
+    """
+    for cls in {type(root.get_submodule(name)) for name in region.nested_blocks}:
+        if cls in applied.nested_classes or hasattr(cls.forward, "__marked_compile_region_fn__"):
+            continue
+        applied.nested_classes[cls] = cls.__dict__.get("forward")
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+
+
+def model_device(module: nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def _refuse_user_compiled(root: nn.Module) -> None:
+    """A module the user compiled already would keep its own compiled call and hide the policy's regions."""
+    compiled = [
+        (name or "<root>", how) for name, module in root.named_modules() if (how := compat.user_compiled(module))
+    ]
+    if compiled:
+        listed = ", ".join(f"{name} ({how})" for name, how in compiled[:5])
+        raise PolicyError(
+            f"already compiled by your code: {listed}. A compile policy compiles the modules itself; remove the "
+            "torch.compile / .compile() call (or accelerate's compile_regions) and let the policy say what to "
+            "compile, or use the `none` policy to keep your own compile."
+        )
+
+
+def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.device] = None) -> AppliedPolicy:
+    """Resolve ``policy`` against ``root`` and compile its regions in place.
+
+    Compilation itself is lazy (at each region's first call); errors in the policy are raised here.
+    """
+    if getattr(root, APPLIED_ATTR, None) is not None:
+        previous = getattr(root, APPLIED_ATTR).policy.name
+        raise PolicyError(
+            f"a compile policy ({previous!r}) is already applied to this {type(root).__name__}; "
+            "apply one policy once per model (call .remove() on the first AppliedPolicy to undo it)."
+        )
+    check_policy_runtime(policy)
+    if policy.compiles_modules:
+        _refuse_user_compiled(root)
+    plan = resolve_plan(root, policy)
+    device = device or model_device(root)
+    applied = AppliedPolicy(policy=policy, plan=plan, root=root, notes=list(plan.notes))
+    if not policy.enabled:
+        setattr(root, APPLIED_ATTR, applied)
+        return applied
+    planned, noted = [], {}  # note -> the regions it applies to
+    for region in plan.regions:  # every check before anything is compiled
+        kwargs, notes = compile_kwargs(region.settings, device)
+        for note in notes:
+            noted.setdefault(note, []).append(region.name)
+        if region.role == "nested":
+            _check_nested(region, kwargs, device)
+        planned.append((region, kwargs))
+    for note, names in noted.items():
+        applied.notes.append(f"{'all regions' if len(names) == len(plan.regions) else ', '.join(names)}: {note}")
+    # Restored by remove(), not by garbage collection: a generator-based context manager would restore it
+    # whenever a forgotten AppliedPolicy is collected, under the feet of the policy applied since.
+    applied.process_settings.callback(compat.set_recompile_limit, compat.set_recompile_limit(policy.recompile_limit))
+    for region, kwargs in planned:
+        # Blocks of one class share an entry (one graph); any other region gets its own, so that
+        # differently shaped modules of one class (two embeddings, say) never recompile each other.
+        key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
+        entry = _entry_function(type(region.module), key)
+        item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs, background=policy.background)
+        compat.install_compiled_call(
+            region.module, RegionCall(item, item.compile_on(region.module), applied.interceptors)
+        )
+        applied.compiled.append(item)
+        if region.role == "nested":
+            _mark_nested_blocks(applied, root, region)
+    for name in plan.eager:
+        if plan.enclosing_region(name) is not None:
+            module = root.get_submodule(name)
+            module.forward = torch.compiler.disable(module.forward)
+            applied.eager_inside.append(name)
+    setattr(root, APPLIED_ATTR, applied)
+    return applied
+
+
+def format_plan_table(applied: AppliedPolicy) -> str:
+    """A fixed-width table of the plan, for the console."""
+    rows = applied.rows()
+    header = f"compile policy {applied.policy.name!r}"
+    if not applied.policy.enabled:
+        return f"{header}: disabled, the model runs eagerly"
+    if not applied.policy.rules:
+        return f"{header}: no module rules, the model runs eagerly (the optimizer section still applies)"
+    columns = ["module", "class", "action", "rule", "settings", "shares_graph_with"]
+    titles = ["module", "class", "action", "rule", "settings", "shared by"]
+    lines = [header, *text_table(titles, [[str(row[c]) for c in columns] for row in rows])]
+    groups = applied.shared_counts()
+    lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
+    if applied.policy.background:
+        lines.append("compiled on a background thread while the first steps run eagerly (background: true)")
+    lines += [f"note: {note}" for note in applied.notes]
+    return "\n".join(lines)

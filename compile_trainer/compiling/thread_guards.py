@@ -1,0 +1,92 @@
+"""Keeping a compile thread's process-wide side effects off the training thread.
+
+The compilers change process-wide state while they work, as if nothing else ran meanwhile:
+
+- Dynamo, AOTAutograd and Inductor save the random-number state (torch's CPU and CUDA generators, Python's
+  ``random``) before they compile and restore it after, to undo draws made while tracing. On a second thread
+  that restore rewinds the training thread's generators: draws it made meanwhile (dropout masks) come again.
+- FX's tracer replaces ``torch.nn.Module.__call__`` and ``__getattr__`` while it traces (Inductor traces its
+  pattern-matching rules so, for one). A module called on another thread meanwhile goes through the tracer:
+  "module is not installed as a submodule" killed a training step beside a background compile of GPT-2 small
+  on an H100.
+
+Inside ``guarded_thread()`` both are confined to the thread: its random-number restores do nothing (a thread
+that compiles without running has drawn nothing to undo) and FX's method patches made on it apply to it alone.
+While any guarded thread runs, the functions involved are replaced with thread-aware ones that let every other
+thread through to the originals; the originals come back when the last guarded thread leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import threading
+from typing import Any, Callable, Dict, Iterator, Set, Tuple
+
+import torch
+
+from compile_trainer import compat
+
+_lock = threading.Lock()
+_guarded: Set[int] = set()  # thread idents
+_originals: Dict[Tuple[Any, str], Callable[..., Any]] = {}  # while replaced
+
+
+def _skipped_on_guarded_threads(restore: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(restore)
+    def restore_unless_guarded(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() not in _guarded:
+            return restore(*args, **kwargs)
+        return None
+
+    return restore_unless_guarded
+
+
+def _method_patches_confined_to_guarded_threads(patch_method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(patch_method)
+    def confined_patch_method(patcher: Any, cls: type, name: str, new_fn: Callable[..., Any], deduplicate=True):
+        owner = threading.get_ident()
+        if owner in _guarded:
+            tracing, others = new_fn, getattr(cls, name)
+
+            @functools.wraps(tracing)
+            def on_the_tracing_thread_only(*args: Any, **kwargs: Any) -> Any:
+                return (tracing if threading.get_ident() == owner else others)(*args, **kwargs)
+
+            new_fn = on_the_tracing_thread_only
+        return patch_method(patcher, cls, name, new_fn, deduplicate)
+
+    return confined_patch_method
+
+
+# (owner, attribute) -> how to make the thread-aware replacement of the original
+REPLACEMENTS: Dict[Tuple[Any, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    (torch.random, "set_rng_state"): _skipped_on_guarded_threads,
+    (torch.cuda, "set_rng_state"): _skipped_on_guarded_threads,
+    (random, "setstate"): _skipped_on_guarded_threads,
+    (compat.fx_patcher(), "patch_method"): _method_patches_confined_to_guarded_threads,
+}
+
+
+@contextlib.contextmanager
+def guarded_thread() -> Iterator[None]:
+    """Confine the compilers' process-wide side effects made on this thread to this thread."""
+    ident = threading.get_ident()
+    with _lock:
+        nested = ident in _guarded
+        if not _guarded:
+            for (owner, name), replace in REPLACEMENTS.items():
+                _originals[(owner, name)] = original = getattr(owner, name)
+                setattr(owner, name, replace(original))
+        _guarded.add(ident)
+    try:
+        yield
+    finally:
+        if not nested:
+            with _lock:
+                _guarded.discard(ident)
+                if not _guarded:
+                    for (owner, name), original in _originals.items():
+                        setattr(owner, name, original)
+                    _originals.clear()

@@ -1,0 +1,1 @@
+"""The Lightning integration: ``CompileCallback`` wires the library's parts to a Trainer's hooks."""

@@ -1,0 +1,151 @@
+"""``CompileCallback``: applies a compile policy to a LightningModule inside a Lightning Trainer.
+
+It only wires the library's parts to Lightning's hooks; everything it does can be called without
+Lightning (``to_policy``, ``apply_policy``, ``format_plan_table``, ``BatchShaper``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Dict, List, Optional
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from compile_trainer.compiling.background import BackgroundCompile
+from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
+from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.compiling.runtime_checks import check_policy_runtime
+from compile_trainer.lightning.batch_hooks import ShapeHooks
+from compile_trainer.lightning.fit_telemetry import FitTelemetry
+from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
+from compile_trainer.schema import CompilePolicy, policy_to_dict, to_policy, to_telemetry_config
+from compile_trainer.schema.shapes import describe_shapes
+
+log = logging.getLogger(__name__)
+
+
+class CompileCallback(pl.Callback):
+    """Compile a LightningModule's submodules by a declared policy, after it is on its device.
+
+    Args:
+        policy: a ``CompilePolicy``, a dict (or DictConfig) of its fields, or the name of a
+            bundled policy (``none``, ``full``, ``regional``, ...). Validated here, so a bad
+            policy fails when the callback is made.
+        print_plan: print the plan table at fit start.
+        telemetry: compile and throughput telemetry: ``True`` (default), ``False``, or a
+            ``TelemetryConfig`` / dict of its fields (see ``compile_trainer.schema.telemetry``).
+        **overrides: fields merged over ``policy``, e.g. ``backend="aot_eager"``.
+    """
+
+    def __init__(self, policy: Any = "regional", print_plan: bool = True, telemetry: Any = True, **overrides: Any):
+        self.policy: CompilePolicy = check_policy_runtime(to_policy(policy, **overrides))
+        self.print_plan = print_plan
+        self.applied: Optional[AppliedPolicy] = None
+        self.shape_hooks: Optional[ShapeHooks] = None
+        self.background: Optional[BackgroundCompile] = None
+        self.optimizer_steps: List[CompiledOptimizerStep] = []
+        self.gradient_copies: Optional[GradientCopies] = None
+        config = to_telemetry_config(telemetry)
+        self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
+
+    def summary(self) -> Dict[str, Any]:
+        """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
+        summary = self.telemetry.summary() if self.telemetry is not None else {}
+        return summary | (self.background.summary() if self.background is not None else {})
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.optimizer_steps = compile_optimizers(
+            trainer.optimizers, self.policy.optimizer, self.policy.backend, lambda c: _log_choice(trainer, c)
+        )
+        if self.print_plan and self.optimizer_steps:
+            rank_zero_info(describe_steps(self.optimizer_steps))
+        if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
+            if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
+                self.telemetry.start(trainer, pl_module, self.applied)
+            self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
+            return
+        if self.telemetry is not None:
+            self.telemetry.before_policy(pl_module)
+        self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
+        if self.policy.background and self.policy.enabled:
+            self.background = BackgroundCompile(self.applied)
+        if self.telemetry is not None:
+            self.telemetry.start(trainer, pl_module, self.applied)
+        if self.print_plan:
+            rank_zero_info(format_plan_table(self.applied))
+        self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+    def _copy_gradients_if_they_outlive_a_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under CUDA graphs, gradients that must survive the next step's replays get their own memory."""
+        outlive = trainer.accumulate_grad_batches > 1 or not pl_module.automatic_optimization
+        if self.applied.uses_cuda_graphs and outlive and self.gradient_copies is None:
+            self.gradient_copies = copy_cuda_graph_gradients(self.applied)
+            if self.print_plan:
+                rank_zero_info(f"note: {self.gradient_copies.describe()}")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.policy.shapes.active:
+            phase = {"phase": self.telemetry.phase} if self.telemetry is not None else {}
+            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, **phase)
+            if self.print_plan:
+                rank_zero_info(describe_shapes(self.policy.shapes))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_shape_hooks()
+
+    def _remove_shape_hooks(self) -> None:
+        if self.shape_hooks is not None:
+            self.shape_hooks.remove()
+            self.shape_hooks = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        if self.background is not None and not self.background.installed and self.background.poll():
+            _log_background(trainer, self.background)
+        self.applied.begin_step()
+        if self.telemetry is not None:
+            self.telemetry.on_train_batch_start(trainer, batch)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.telemetry is not None:
+            compiling = self.background is not None and not self.background.installed
+            self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.telemetry is not None:
+            self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+        if self.applied is not None:  # None in trainer.validate() without a fit: nothing was compiled
+            self.applied.begin_step()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.background is not None and not self.background.installed:
+            self.background.close()  # a thread cannot be stopped: training ended before the compile did
+            _log_background(trainer, self.background)
+        if self.telemetry is not None:
+            self.telemetry.finish(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.telemetry is not None:
+            self.telemetry.stop()
+        self._remove_shape_hooks()
+        if self.gradient_copies is not None:
+            self.gradient_copies.remove()
+            self.gradient_copies = None
+
+
+def _log_background(trainer: pl.Trainer, background: BackgroundCompile) -> None:
+    rank_zero_info(background.describe())
+    for logger in trainer.loggers:
+        metrics = {f"compile/{k}": v for k, v in background.summary().items() if v is not None}
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _log_choice(trainer: pl.Trainer, choice: OptimizerChoice) -> None:
+    rank_zero_info(f"optimizer: {choice.describe()}")
+    for logger in trainer.loggers:
+        logger.log_hyperparams({"optimizer_choice": dataclasses.asdict(choice)})

@@ -1,0 +1,249 @@
+"""Telemetry of a Lightning fit: compile events and throughput, logged through the Trainer's loggers.
+
+``FitTelemetry`` holds the logic that ``CompileCallback`` calls from its hooks. Series go to every
+logger under ``compile/...`` and ``throughput/...`` (so CSV and TensorBoard get them too); a W&B run
+also gets a table of recompile / graph-break events, a table of regions, and the headline numbers in
+its summary under ``summary/<key>``. ``summary()`` returns those numbers as a plain dict; its keys are
+documented in ``docs/telemetry.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import re
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from compile_trainer.compiling.regions import AppliedPolicy
+from compile_trainer.schema import SettingsError, TelemetryConfig
+from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
+from compile_trainer.telemetry.throughput import (
+    ThroughputMeter,
+    device_peak_flops,
+    measure_step_flops,
+    meta_copy,
+    precision_dtype,
+)
+
+log = logging.getLogger(__name__)
+
+
+def resolve_callable(value: Any, what: str) -> Optional[Callable[[Any], int]]:
+    """A function, or one named by ``"package.module:function"`` (or ``"package.module.function"``)."""
+    if value is None or callable(value):
+        return value
+    path = str(value)
+    module_name, _, name = path.partition(":") if ":" in path else path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise SettingsError(
+            f"telemetry.{what}={path!r} cannot be imported ({error}); give 'package.module:function'."
+        ) from error
+    if not callable(found):
+        raise SettingsError(f"telemetry.{what}={path!r} is a {type(found).__name__}, not a function.")
+    return found
+
+
+def metric_key(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", label)
+
+
+class FitTelemetry:
+    """Compile telemetry and throughput for one LightningModule across its fits."""
+
+    def __init__(self, config: TelemetryConfig):
+        self.config = config
+        self.items_fn = resolve_callable(config.items_fn, "items_fn")
+        self.samples_fn = resolve_callable(config.samples_fn, "samples_fn")
+        self.compile: Optional[CompileTelemetry] = None
+        self.throughput: Optional[ThroughputMeter] = None
+        self._meta_module: Optional[nn.Module] = None
+        self._flops: Optional[float] = config.flops_per_step
+        self._steps = 0
+        self._logged_steps = 0
+        self._compiles_at_start = 0
+
+    # -- hooks --------------------------------------------------------------------------------------
+
+    def before_policy(self, pl_module: pl.LightningModule) -> None:
+        """Copy the module to the meta device before it is compiled, to count its FLOPs at the first batch."""
+        if self._flops is not None or not self.config.measure_flops or self._meta_module is not None:
+            return
+        try:
+            self._meta_module = meta_copy(pl_module)
+        except Exception as error:  # any module may hold something deepcopy refuses
+            log.warning("FLOPs per step not measured (%s); set telemetry.flops_per_step to get MFU", error)
+
+    def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, applied: Optional[AppliedPolicy]) -> None:
+        if self.compile is None:
+            self.compile = CompileTelemetry(applied, pl_module)
+        self.compile.install()
+        self.compile.phase = "fit start"
+        device = pl_module.device
+        peak = device_peak_flops(device, precision_dtype(trainer.precision), self.config.peak_tflops)
+        if peak is None and device.type == "cuda":
+            log.info("peak FLOP/s of %s unknown: set telemetry.peak_tflops to get MFU", torch.cuda.get_device_name())
+        if self.throughput is None:
+            self.throughput = ThroughputMeter(
+                device, self.samples_fn, self.items_fn, self.config.items_per_sample, self._flops, peak
+            )
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def set_phase(self, phase: str) -> None:
+        if self.compile is not None:
+            self.compile.phase = phase
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Compiles inside are attributed to phase ``name``; the previous phase is restored after."""
+        previous = self.compile.phase if self.compile is not None else None
+        self.set_phase(name)
+        try:
+            yield
+        finally:
+            if previous is not None:
+                self.set_phase(previous)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
+        self.compile.ensure_installed()
+        self.compile.phase, self.compile.step = "train", trainer.global_step
+        if self._meta_module is not None:
+            self._measure_flops(batch)
+        self._compiles_at_start = self.compile.compile_count
+        self.throughput.step_start()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, batch: Any, compiling: bool = False) -> None:
+        """``compiling``: a compile was under way during the step elsewhere (a background compile), so the
+        step does not count as steady state either."""
+        compiled = self.compile.compile_count != self._compiles_at_start
+        self.throughput.step_end(batch, compiled or compiling)
+        if compiled:
+            self.compile.collect()
+        self._steps += 1
+        every = self.config.log_every_n_steps or trainer.log_every_n_steps or 50
+        if self._steps % every == 0:
+            self.log_metrics(trainer)
+
+    def finish(self, trainer: pl.Trainer) -> None:
+        """End of fit: the last series, W&B tables and summary, and the summary table on the console."""
+        self.log_metrics(trainer)
+        summary = self.summary()
+        for logger in trainer.loggers:
+            if _is_wandb(logger):
+                self._log_wandb(logger, summary)
+        if self.config.print_summary:
+            rank_zero_info(self.format_summary(summary))
+
+    def stop(self) -> None:
+        if self.compile is not None:
+            self.compile.uninstall()
+
+    # -- measurements -------------------------------------------------------------------------------
+
+    def _measure_flops(self, batch: Any) -> None:
+        meta_module, self._meta_module = self._meta_module, None
+        try:
+            self._flops = float(measure_step_flops(meta_module, batch)) or None
+        except Exception as error:  # data-dependent Python, manual optimization, ...
+            log.warning("FLOPs per step not measured (%s); set telemetry.flops_per_step to get MFU", error)
+        self.throughput.flops_per_step = self._flops
+
+    def metrics(self) -> Dict[str, float]:
+        """Series for the loggers: compile counts so far and throughput since the last call."""
+        self.compile.collect()
+        values: Dict[str, float] = {}
+        for key, value in self.compile.totals().items():
+            values[f"compile/{key}"] = value
+        for stats in self.compile.regions.values():
+            prefix = f"compile/{metric_key(stats.label)}"
+            values[f"{prefix}/compiles"] = stats.compiles
+            values[f"{prefix}/recompiles"] = stats.recompiles
+            values[f"{prefix}/grad_mode_variants"] = stats.grad_mode_variants
+            values[f"{prefix}/graphs"] = stats.graphs
+            values[f"{prefix}/compile_time_s"] = stats.compile_time_s
+        values["throughput/compile_steps"] = self.throughput.compiling.steps
+        for key, value in self.throughput.interval().items():
+            values[f"throughput/{key}"] = value
+        return values
+
+    def log_metrics(self, trainer: pl.Trainer) -> None:
+        if not trainer.loggers or self._logged_steps == self._steps:
+            return
+        self._logged_steps = self._steps
+        values = self.metrics()
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+    def summary(self) -> Dict[str, Any]:
+        """The headline numbers of the run so far, as a plain dict with stable keys (docs/telemetry.md)."""
+        if self.compile is None:
+            return {}
+        self.compile.collect()
+        return {**self.compile.totals(), **self.throughput.summary(wait=True)}
+
+    def events(self) -> List[List[Any]]:
+        return [event.row() for event in self.compile.events] if self.compile is not None else []
+
+    def _log_wandb(self, logger: Any, summary: Dict[str, Any]) -> None:
+        import wandb
+
+        run = logger.experiment
+        regions = self.compile.region_rows()
+        region_columns = [
+            "label",
+            "modules",
+            "compiles",
+            "recompiles",
+            "grad_mode_variants",
+            "graphs",
+            "compile_time_s",
+            "graph_breaks",
+        ]
+        run.log(
+            {
+                "compile/events": wandb.Table(columns=list(EVENT_COLUMNS), data=self.events()),
+                "compile/regions": wandb.Table(
+                    columns=region_columns,
+                    data=[
+                        [", ".join(r["modules"]) if c == "modules" else r[c] for c in region_columns] for r in regions
+                    ],
+                ),
+            }
+        )
+        run.summary.update({f"summary/{key}": value for key, value in summary.items() if value is not None})
+
+    def format_summary(self, summary: Dict[str, Any]) -> str:
+        def show(key: str, scale: float = 1.0, unit: str = "", digits: int = 2) -> str:
+            value = summary.get(key)
+            return "-" if value is None else f"{value / scale:,.{digits}f}{unit}"
+
+        lines = [
+            self.compile.format_report(),
+            "throughput",
+            f"  steps {summary['steps']} ({summary['compile_steps']} with compiles, "
+            f"{show('compile_steps_time_s', unit=' s')} in them; first step {show('first_step_time_s', unit=' s')})",
+            f"  steady step {show('steady_step_time_s', 1e-3, ' ms')}, {show('steady_steps_per_s')} steps/s, "
+            f"{show('steady_samples_per_s', digits=1)} samples/s, {show('steady_items_per_s', digits=0)} items/s",
+            f"  {show('steady_tflops')} TFLOP/s achieved, MFU {show('mfu', 0.01, ' %', 1)}, "
+            f"peak memory {show('peak_memory_bytes', 2**30, ' GiB')}",
+            f"  compile time {show('compile_time_s', unit=' s')}, {summary['recompiles']} recompiles "
+            f"(and {summary['grad_mode_variants']} grad-mode variants, expected), "
+            f"{summary['graph_breaks']} graph breaks, {summary['unique_graphs']} graphs",
+        ]
+        if summary["cudagraph_skips"]:
+            lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
+        return "\n".join(lines)
+
+
+def _is_wandb(logger: Any) -> bool:
+    from lightning.pytorch.loggers import WandbLogger
+
+    return isinstance(logger, WandbLogger)

@@ -1,0 +1,242 @@
+"""Module selection: match policy rules against a module tree and resolve them into a plan.
+
+The plan says which submodules become compiled regions (and with which settings) and which
+stay eager. It is computed without compiling anything, so bad rules fail before training.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+from torch import nn
+
+from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError, Rule
+
+BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+@dataclass
+class Region:
+    """A submodule compiled in place as one unit."""
+
+    name: str
+    module: nn.Module
+    settings: CompileSettings
+    rule_index: int
+    # "full"; "block" (a repeated block); "rest" (a non-repeated part of a regional rule); or "nested"
+    # (a module compiled whole whose repeated blocks, ``nested_blocks``, are nested compile regions)
+    role: str
+    nested_blocks: List[str] = field(default_factory=list)
+
+    @property
+    def class_name(self) -> str:
+        return type(self.module).__name__
+
+
+@dataclass
+class CompilePlan:
+    """The resolved plan: compiled regions and modules that must stay eager."""
+
+    regions: List[Region] = field(default_factory=list)
+    # qualified name -> index of the rule that made it eager
+    eager: Dict[str, int] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    def region_names(self) -> List[str]:
+        return [region.name for region in self.regions]
+
+    def enclosing_region(self, name: str) -> Optional[Region]:
+        return next((r for r in self.regions if _is_inside(name, r.name)), None)
+
+
+def _is_inside(name: str, ancestor: str) -> bool:
+    return ancestor == "" or name.startswith(ancestor + ".")
+
+
+@lru_cache(maxsize=256)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """``*`` matches one dotted segment (or part of it), ``**`` any number of segments."""
+    parts = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**", i):
+            parts.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            parts.append("[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            parts.append("[^.]")
+            i += 1
+        else:
+            parts.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(parts) + r"\Z")
+
+
+def rule_matches(rule: Rule, name: str, module: nn.Module) -> bool:
+    if rule.name is not None and not _glob_regex(rule.name).match(name):
+        return False
+    if rule.class_name is not None and not _glob_regex(rule.class_name).match(type(module).__name__):
+        return False
+    return True
+
+
+def _nearest(rule: Rule, modules: Dict[str, nn.Module]) -> str:
+    hints = []
+    if rule.name is not None:
+        prefix = rule.name.split("*")[0].rsplit(".", 1)[0] if "." in rule.name else ""
+        names = [n for n in modules if n]
+        close = difflib.get_close_matches(rule.name, names, n=6, cutoff=0.4)
+        if prefix in modules:
+            children = [f"{prefix}.{c}" if prefix else c for c, _ in modules[prefix].named_children()]
+            close = close + [c for c in children if c not in close]
+        hints.append("nearest module names: " + ", ".join(close[:10] or names[:10]))
+    if rule.class_name is not None:
+        classes = sorted({type(m).__name__ for m in modules.values()})
+        close = difflib.get_close_matches(rule.class_name, classes, n=6, cutoff=0.4)
+        hints.append("class names in the model: " + ", ".join(close or classes[:15]))
+    return "; ".join(hints)
+
+
+def find_repeated_blocks(module: nn.Module, prefix: str = "") -> List[Tuple[str, List[str]]]:
+    """Find containers (ModuleList/Sequential) under ``module`` whose children share one class.
+
+    Returns ``[(container_name, [block_names])]``; does not look inside the blocks found.
+    """
+    found: List[Tuple[str, List[str]]] = []
+
+    def visit(name: str, node: nn.Module) -> None:
+        children = list(node.named_children())
+        classes = {type(child) for _, child in children}
+        if isinstance(node, BLOCK_CONTAINERS) and len(children) >= 2 and len(classes) == 1:
+            found.append((name, [_join(name, child_name) for child_name, _ in children]))
+            return
+        for child_name, child in children:
+            visit(_join(name, child_name), child)
+
+    visit(prefix, module)
+    return found
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tuple[str, nn.Module]]:
+    """The largest subtrees under ``module`` that hold no block container."""
+    if name in containers:
+        return []
+    if not any(_is_inside(c, name) for c in containers):
+        return [(name, module)]
+    roots: List[Tuple[str, nn.Module]] = []
+    for child_name, child in module.named_children():
+        roots.extend(_rest_roots(_join(name, child_name), child, containers))
+    return roots
+
+
+class _NoRepeatedBlocks(Exception):
+    def __init__(self, name: str, module: nn.Module):
+        super().__init__(name)
+        self.name, self.module = name, module
+
+    def message(self, index: int, rule: Rule) -> str:
+        children = [f"{_join(self.name, c)} ({type(m).__name__})" for c, m in self.module.named_children()]
+        return (
+            f"rule {index} {rule.describe()}: module {self.name!r} ({type(self.module).__name__}) has no repeated "
+            "blocks (a ModuleList/Sequential whose children share one class). Its children: "
+            f"{', '.join(children) or 'none'}. Use action 'full' for it instead."
+        )
+
+
+def _expand_rule(
+    index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan
+) -> List[Tuple[str, Optional[Region]]]:
+    """What one rule does to one matched module: ``(name, region or None for eager)`` items."""
+    if rule.action == "eager":
+        return [(name, None)]
+    if rule.action == "full":
+        return [(name, Region(name, module, settings, index, "full"))]
+    groups = find_repeated_blocks(module, name)
+    if not groups:
+        raise _NoRepeatedBlocks(name, module)
+    if rule.rest == "nested":
+        blocks = [b for _, block_names in groups for b in block_names]
+        return [(name, Region(name, module, settings, index, "nested", nested_blocks=blocks))]
+    items: List[Tuple[str, Optional[Region]]] = []
+    for _, block_names in groups:
+        blocks = dict(module.named_modules(prefix=name))
+        items += [(b, Region(b, blocks[b], settings, index, "block")) for b in block_names]
+    if rule.rest == "compile":
+        for rest_name, rest_module in _rest_roots(name, module, [c for c, _ in groups]):
+            if _has_state(rest_module):
+                items.append((rest_name, Region(rest_name, rest_module, settings, index, "rest")))
+            else:
+                plan.notes.append(f"{rest_name} ({type(rest_module).__name__}) has no parameters: left eager")
+    return items
+
+
+def _has_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _place_rest(plan: CompilePlan, index: int, rule: Rule, name: str, module: nn.Module, settings) -> None:
+    """A module that a regional glob matched but that holds no repeated blocks is all 'rest'."""
+    if rule.rest in ("compile", "nested") and _has_state(module):
+        _place(plan, index, name, Region(name, module, settings, index, "rest"))
+        plan.notes.append(f"{name} has no repeated blocks: compiled whole as rest of rule {index}")
+    else:
+        plan.notes.append(f"{name} has no repeated blocks: left eager (rule {index}, rest={rule.rest})")
+
+
+def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
+    """Resolve ``policy``'s rules, in order, against ``root``'s submodules.
+
+    A later rule replaces what earlier rules decided for the modules it selects and their
+    subtrees; an ``eager`` module inside a compiled region becomes a graph break. A module is
+    compiled at most once: a region inside another region is an error.
+    """
+    plan = CompilePlan()
+    if not policy.enabled:
+        return plan
+    modules = dict(root.named_modules())
+    candidates = {n: m for n, m in modules.items() if n}  # the root itself is never a region
+    for index, rule in enumerate(policy.rules):
+        matched = [(n, m) for n, m in candidates.items() if rule_matches(rule, n, m)]
+        if not matched:
+            raise PolicyError(f"rule {index} {rule.describe()} matches no module; {_nearest(rule, modules)}.")
+        settings = policy.settings.overridden_by(rule)
+        without_blocks = []
+        for name, module in matched:
+            try:
+                items = _expand_rule(index, rule, name, module, settings, plan)
+            except _NoRepeatedBlocks as missing:
+                without_blocks.append(missing)
+                continue
+            for item_name, region in items:
+                _place(plan, index, item_name, region)
+        if without_blocks and len(without_blocks) == len(matched):
+            raise PolicyError(without_blocks[0].message(index, rule))
+        for missing in without_blocks:  # a glob matched these beside modules that do have blocks
+            _place_rest(plan, index, rule, missing.name, missing.module, settings)
+    plan.regions.sort(key=lambda r: list(modules).index(r.name))
+    return plan
+
+
+def _place(plan: CompilePlan, index: int, name: str, region: Optional[Region]) -> None:
+    plan.regions = [r for r in plan.regions if not (r.name == name or _is_inside(r.name, name))]
+    plan.eager = {n: i for n, i in plan.eager.items() if not (n == name or _is_inside(n, name))}
+    outer = plan.enclosing_region(name)
+    if region is None:
+        plan.eager[name] = index
+        return
+    if outer is not None:
+        raise PolicyError(
+            f"rule {index} would compile {name!r} inside {outer.name!r}, which rule {outer.rule_index} already "
+            "compiles whole; a module is compiled at most once. Make the outer rule 'regional', or drop one rule."
+        )
+    plan.regions.append(region)

@@ -1,0 +1,102 @@
+"""Building validated schema objects from names, dicts and Hydra configs (OmegaConf merges onto the schema)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, List, Type, TypeVar
+
+from compile_trainer.schema.policy import CompilePolicy
+from compile_trainer.schema.sweep import SweepSettings, sweep_settings_problems
+from compile_trainer.schema.telemetry import TelemetryConfig, telemetry_config_problems
+from compile_trainer.schema.validate import PolicyError, validate_policy
+
+Schema = TypeVar("Schema")
+
+
+class SettingsError(ValueError):
+    """A ``telemetry`` or ``sweep`` setting that cannot work; raised before training starts."""
+
+
+def bundled_policy_dir() -> Path:
+    """``conf/compile``: of this checkout, or of the installed package (a wheel ships ``conf`` inside it)."""
+    package = Path(__file__).resolve().parents[1]
+    checkout = package.parent / "conf" / "compile"
+    return checkout if checkout.is_dir() else package / "conf" / "compile"
+
+
+def bundled_policy_names() -> List[str]:
+    return sorted(p.stem for p in bundled_policy_dir().glob("*.yaml"))
+
+
+def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
+    """Build a validated policy from a ``CompilePolicy``, a dict/DictConfig, or a bundled policy name.
+
+    ``overrides`` are merged on top, e.g. ``to_policy("regional", backend="aot_eager")``. Checks that need
+    the installed torch (the backend exists, ...) run when the policy is applied.
+    """
+    if isinstance(spec, CompilePolicy) and not overrides:
+        return validate_policy(spec)
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(CompilePolicy)
+    try:
+        if spec is None:
+            spec = "regional"
+        if isinstance(spec, str):
+            path = bundled_policy_dir() / f"{spec}.yaml"
+            if not path.is_file():
+                raise PolicyError(
+                    f"unknown compile policy {spec!r}. Bundled policies: {', '.join(bundled_policy_names())}."
+                )
+            loaded = OmegaConf.load(path)
+            loaded.pop("defaults", None)
+            if "name" not in loaded:
+                loaded.name = spec
+            merged = OmegaConf.merge(schema, loaded)
+        elif isinstance(spec, CompilePolicy):
+            merged = OmegaConf.merge(schema, OmegaConf.structured(spec))
+        else:
+            merged = OmegaConf.merge(schema, spec)
+        if overrides:
+            merged = OmegaConf.merge(merged, overrides)
+    except OmegaConfBaseException as error:
+        raise PolicyError(f"invalid compile policy: {error}") from error
+    return validate_policy(OmegaConf.to_object(merged))
+
+
+def policy_to_dict(policy: CompilePolicy) -> Dict[str, Any]:
+    return dataclasses.asdict(policy)
+
+
+def _settings(cls: Type[Schema], spec: Any, section: str) -> Schema:
+    """``cls`` from an instance or a dict/DictConfig of its fields; unknown fields name the valid ones."""
+    if isinstance(spec, cls):
+        return spec
+    from omegaconf import DictConfig, OmegaConf
+
+    values = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec or {})
+    valid = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise SettingsError(f"unknown {section} setting(s) {unknown}. Valid settings: {', '.join(valid)}.")
+    return cls(**values)
+
+
+def to_telemetry_config(spec: Any = True) -> TelemetryConfig:
+    """A validated ``TelemetryConfig`` from a config, a dict/DictConfig of its fields, or a bool (on/off)."""
+    if spec is None or isinstance(spec, bool):
+        config = TelemetryConfig(enabled=spec is not False)
+    else:
+        config = _settings(TelemetryConfig, spec, "telemetry")
+    for problem in telemetry_config_problems(config):
+        raise SettingsError(f"{problem}.")
+    return config
+
+
+def to_sweep_settings(spec: Any) -> SweepSettings:
+    settings = _settings(SweepSettings, spec, "sweep")
+    for problem in sweep_settings_problems(settings):
+        raise SettingsError(f"{problem}.")
+    return settings

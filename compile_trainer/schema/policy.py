@@ -1,0 +1,98 @@
+"""The compile policy: global compile settings and an ordered list of rules, as typed dataclasses.
+
+A policy has global compile settings and an ordered list of rules. Each rule selects submodules (by
+qualified-name glob and/or class name) and says what to do with them: ``full`` (compile the module whole),
+``regional`` (compile each repeated block under it in place, so identical blocks share one compiled graph)
+or ``eager`` (never compile it). Later rules refine earlier ones. Registered with Hydra's ConfigStore as
+``compile/schema`` (``compile_trainer.runs.hydra_configs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from compile_trainer.schema.settings import CompileSettings, SettingsOverrides, settings_of
+from compile_trainer.schema.shapes import ShapesPolicy
+
+ACTIONS = ("full", "regional", "eager")
+REST_ACTIONS = ("eager", "compile", "nested")
+OPTIMIZER_COMPILE = ("true", "false", "auto")
+OPTIMIZER_CANDIDATES = ("fused", "foreach", "compiled")
+
+
+@dataclass
+class Rule(SettingsOverrides):
+    """Select submodules and say how to compile them.
+
+    ``name`` is a glob over qualified module names relative to the LightningModule
+    (``*`` matches one name segment, ``**`` any number, e.g. ``model.blocks.*``);
+    ``class_name`` matches the module's class name (a glob too, e.g. ``Block``).
+    A module must match every field given. The compile settings (``backend``, ``mode``, ...) override the
+    policy's where given.
+    """
+
+    name: Optional[str] = None
+    class_name: Optional[str] = None
+    action: str = "full"
+    # For ``regional``: what to do with the parts under the module that are not repeated blocks
+    # (embedding, final norm, head...): ``compile`` each as its own region, leave them ``eager``, or
+    # ``nested``: compile the module whole, with each repeated block marked as a nested compile region
+    # (``torch.compiler.nested_compile_region``) so that it is traced and compiled once and reused.
+    rest: str = "eager"
+
+    def describe(self) -> str:
+        parts = [
+            f"name={self.name!r}" if self.name else "",
+            f"class_name={self.class_name!r}" if self.class_name else "",
+        ]
+        return f"Rule({', '.join(p for p in parts if p)}, action={self.action!r})"
+
+
+@dataclass
+class OptimizerPolicy(SettingsOverrides):
+    """How each optimizer's ``step`` runs (see ``compile_trainer.optimizer``).
+
+    ``compile``: ``true`` replaces the step with a compiled update whose hyperparameters are tensors
+    (LR schedules never recompile); ``auto`` times ``auto_candidates`` on the real parameters during
+    the first steps and keeps the fastest; ``false`` leaves the optimizer alone. Independent of the
+    policy's ``enabled`` and ``rules``. Compile settings not given here: the policy's ``backend``,
+    ``fullgraph: true``, the default mode, no options (``optimizer_settings``).
+    """
+
+    compile: str = "false"
+    auto_candidates: List[str] = field(default_factory=lambda: list(OPTIMIZER_CANDIDATES))
+    # Timed steps per candidate for ``auto``, after one untimed warm-up step each (which compiles).
+    auto_steps: int = 3
+
+
+@dataclass
+class CompilePolicy(CompileSettings):
+    """A whole compile policy: global compile settings plus ordered rules.
+
+    ``enabled: false`` (the ``none`` policy) trains eagerly but keeps the telemetry.
+    """
+
+    name: str = "custom"
+    enabled: bool = True
+    # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
+    recompile_limit: int = 8
+    # Compile on a background thread while the first steps run eagerly (compile_trainer.compiling.background).
+    background: bool = False
+    rules: List[Rule] = field(default_factory=list)
+    # Variable-length batches: mark_dynamic axes, padding buckets, warm-up, strict recompiles.
+    shapes: ShapesPolicy = field(default_factory=ShapesPolicy)
+    optimizer: OptimizerPolicy = field(default_factory=OptimizerPolicy)
+
+    @property
+    def settings(self) -> CompileSettings:
+        return settings_of(self)
+
+    @property
+    def compiles_modules(self) -> bool:
+        return self.enabled and bool(self.rules)
+
+
+def optimizer_settings(optimizer: OptimizerPolicy, policy_backend: str = "inductor") -> CompileSettings:
+    """The settings the optimizer's update is compiled with: its own, else the policy's backend, fullgraph."""
+    return CompileSettings(backend=policy_backend, fullgraph=True, dynamic=False).overridden_by(optimizer)

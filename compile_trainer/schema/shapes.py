@@ -1,0 +1,191 @@
+"""The ``shapes`` section of a policy: declarations for variable-length batches, and their pure checks.
+
+Two remedies against recompiles on new shapes, usable together or alone:
+
+- ``dynamic``: named batch entries get ``torch._dynamo.mark_dynamic`` on the declared dimensions (with
+  optional ``min``/``max``), so the first compile is already dynamic in them.
+- ``pad``: named batch entries are padded along one dimension up to the smallest bucket that fits, each
+  with its own pad value (``pad_token_id`` for ids, ``0``/``False`` for masks, ``ignore_index`` for labels).
+
+What applies them to batches: ``compile_trainer.shapes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+OVERFLOW_POLICIES = ("error", "truncate")
+
+
+@dataclass
+class DynamicDim:
+    """A dimension of a batch entry that is compiled dynamic from the first compile.
+
+    ``min``/``max`` bound the sizes the compiled graph accepts; a batch outside them is an error. Sizes 0
+    and 1 are never marked: Dynamo specializes them, so such a batch compiles a graph of its own.
+    """
+
+    entry: str = ""
+    dim: int = 1
+    min: Optional[int] = None
+    max: Optional[int] = None
+
+
+@dataclass
+class PowersOfTwo:
+    min: int = 16
+    max: int = 1024
+
+
+@dataclass
+class Padding:
+    """Pad entries along ``dim`` up to the smallest bucket that fits.
+
+    The buckets are given by exactly one of ``buckets`` (explicit lengths), ``multiple_of`` (every
+    multiple up to ``max``, unbounded without it) or ``powers_of_two`` (``min`` to ``max``); with none,
+    nothing is padded. ``values``
+    names the entries to pad and the value for each. A batch longer than the largest bucket is an
+    ``error`` or is cut to it (``truncate``), as ``overflow`` says.
+    """
+
+    dim: int = 1
+    buckets: List[int] = field(default_factory=list)
+    multiple_of: Optional[int] = None
+    max: Optional[int] = None
+    powers_of_two: Optional[PowersOfTwo] = None
+    values: Dict[str, Any] = field(default_factory=dict)
+    overflow: str = "error"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.buckets or self.multiple_of is not None or self.powers_of_two is not None)
+
+
+@dataclass
+class ShapesPolicy:
+    """How a compile policy handles batches whose shapes vary.
+
+    ``warmup``: compile every bucket (train and validation) at the first batch of each, before the first
+    real step. ``strict_recompiles``: after warm-up, a recompile of a compiled region raises an error
+    naming the region and the guard that failed. ``mark_region_inputs``: regional compilation sees
+    activations, not the batch; mark an input of a compiled region dynamic where it has the batch's
+    dynamic sizes at the same dimensions.
+    """
+
+    dynamic: List[DynamicDim] = field(default_factory=list)
+    pad: Padding = field(default_factory=Padding)
+    warmup: bool = False
+    strict_recompiles: bool = False
+    mark_region_inputs: bool = True
+
+    @property
+    def active(self) -> bool:
+        return bool(self.dynamic or self.pad.enabled or self.warmup or self.strict_recompiles)
+
+
+def bucket_lengths(pad: Padding) -> Optional[List[int]]:
+    """The bucket lengths in increasing order; ``None`` when unbounded (``multiple_of`` without ``max``)."""
+    if pad.buckets:
+        return list(pad.buckets)
+    if pad.multiple_of is not None:
+        if pad.max is None:
+            return None
+        return list(range(pad.multiple_of, pad.max + 1, pad.multiple_of))
+    lengths, length = [], pad.powers_of_two.min
+    while length <= pad.powers_of_two.max:
+        lengths.append(length)
+        length *= 2
+    return lengths
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def padding_problems(pad: Padding) -> List[str]:
+    rules = [name for name in ("buckets", "multiple_of", "powers_of_two") if getattr(pad, name) not in (None, [])]
+    if not rules:  # padding is off; values alone are a mistake
+        if pad.values:
+            return ["shapes.pad.values are given but no buckets: give buckets, multiple_of or powers_of_two"]
+        return []
+    if len(rules) > 1:
+        return [f"shapes.pad: give one of buckets, multiple_of, powers_of_two, not {' and '.join(rules)}"]
+    if pad.buckets:
+        if any(length < 1 for length in pad.buckets):
+            return [f"shapes.pad.buckets must be positive lengths, got {list(pad.buckets)}"]
+        if any(b <= a for a, b in zip(pad.buckets, pad.buckets[1:])):
+            return [f"shapes.pad.buckets must be sorted ascending without repeats, got {list(pad.buckets)}"]
+    if pad.multiple_of is not None and pad.multiple_of < 1:
+        return [f"shapes.pad.multiple_of must be >= 1, got {pad.multiple_of}"]
+    if pad.multiple_of is not None and pad.max is not None and pad.max < pad.multiple_of:
+        return [f"shapes.pad.max ({pad.max}) is smaller than multiple_of ({pad.multiple_of})"]
+    if pad.powers_of_two is not None:
+        low, high = pad.powers_of_two.min, pad.powers_of_two.max
+        if not (_is_power_of_two(low) and _is_power_of_two(high) and low <= high):
+            return [f"shapes.pad.powers_of_two needs powers of two with min <= max, got min={low} max={high}"]
+    problems = []
+    if pad.overflow not in OVERFLOW_POLICIES:
+        problems.append(f"shapes.pad.overflow {pad.overflow!r} is invalid; valid: {', '.join(OVERFLOW_POLICIES)}")
+    if not pad.values:
+        problems.append(
+            "shapes.pad.values is empty: name each entry to pad and its pad value, "
+            "e.g. {input_ids: 0, attention_mask: false, labels: -100}"
+        )
+    for entry, value in pad.values.items():
+        if value is None:
+            problems.append(
+                f"shapes.pad.values: missing pad value for entry {entry!r}; give pad_token_id for ids, "
+                "0/false for masks, ignore_index (e.g. -100) for labels"
+            )
+        elif not isinstance(value, (bool, int, float)):
+            problems.append(f"shapes.pad.values: pad value for entry {entry!r} must be a number or bool, got {value!r}")
+    return problems
+
+
+def dynamic_problems(dims: List[DynamicDim], pad: Padding) -> List[str]:
+    problems = []
+    buckets = bucket_lengths(pad) if pad.enabled and not padding_problems(pad) else None
+    for index, spec in enumerate(dims):
+        where = f"shapes.dynamic[{index}] ({spec.entry!r}, dim {spec.dim})"
+        if not spec.entry:
+            problems.append(f"shapes.dynamic[{index}]: give `entry`, the batch entry to mark (e.g. input_ids)")
+        if spec.min is not None and spec.min < 2:
+            problems.append(
+                f"{where}: min must be >= 2, got {spec.min}; Dynamo specializes sizes 0 and 1 "
+                "(a batch with such a size compiles a graph of its own)"
+            )
+        if spec.min is not None and spec.max is not None and spec.max < spec.min:
+            problems.append(f"{where}: max ({spec.max}) is smaller than min ({spec.min})")
+        if buckets and spec.entry in pad.values and spec.dim == pad.dim:
+            low = [b for b in buckets if spec.min is not None and b < spec.min]
+            high = [b for b in buckets if spec.max is not None and b > spec.max]
+            if low:
+                problems.append(f"{where}: bucket {low[0]} is smaller than min {spec.min}")
+            if high:
+                problems.append(f"{where}: bucket {high[0]} is larger than max {spec.max}")
+    return problems
+
+
+def _range(spec: DynamicDim) -> str:
+    bounds = ([f"min {spec.min}"] if spec.min is not None else []) + (
+        [f"max {spec.max}"] if spec.max is not None else []
+    )
+    return f" ({', '.join(bounds)})" if bounds else ""
+
+
+def describe_shapes(shapes: ShapesPolicy) -> str:
+    """One line for the plan table."""
+    parts = []
+    if shapes.dynamic:
+        marks = [f"{d.entry}[{d.dim}]" + _range(d) for d in shapes.dynamic]
+        parts.append("mark_dynamic " + ", ".join(marks))
+    if shapes.pad.enabled:
+        buckets = bucket_lengths(shapes.pad)
+        lengths = buckets if buckets is not None else f"multiples of {shapes.pad.multiple_of}"
+        parts.append(f"pad {', '.join(shapes.pad.values)} at dim {shapes.pad.dim} to buckets {lengths}")
+    if shapes.warmup:
+        parts.append("warm-up before the first step")
+    if shapes.strict_recompiles:
+        parts.append("recompiles after warm-up are errors")
+    return "shapes: " + "; ".join(parts)

@@ -1,0 +1,41 @@
+"""The ``telemetry`` section: what the compile and throughput telemetry measures, and its pure checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass
+class TelemetryConfig:
+    """What the compile and throughput telemetry measures (``telemetry`` in the Hydra config)."""
+
+    enabled: bool = True
+    # Items for items/s (tokens for the recipes): a fixed number per sample, or a function of the batch.
+    items_per_sample: Optional[int] = None
+    # "package.module:function" taking the batch and returning an int (in Python, the function itself).
+    items_fn: Optional[str] = None
+    # Samples per batch, likewise; default: the leading dimension of the batch's first tensor.
+    samples_fn: Optional[str] = None
+    # Count the model FLOPs of one step once (at the first batch), for TFLOP/s and MFU.
+    measure_flops: bool = True
+    # FLOPs of one step, instead of measuring them.
+    flops_per_step: Optional[float] = None
+    # The device's peak TFLOP/s for MFU, where Lightning's table lacks the device (e.g. H200).
+    peak_tflops: Optional[float] = None
+    # How often series are logged; default: the Trainer's log_every_n_steps.
+    log_every_n_steps: Optional[int] = None
+    # Print the summary table at the end of fit.
+    print_summary: bool = True
+
+
+def telemetry_config_problems(config: TelemetryConfig) -> List[str]:
+    """What is wrong with ``config``, as messages naming what is valid (empty when all is well)."""
+    problems = []
+    for name in ("items_per_sample", "flops_per_step", "peak_tflops", "log_every_n_steps"):
+        value = getattr(config, name)
+        if value is not None and not value > 0:
+            problems.append(f"telemetry.{name} must be positive, got {value!r}")
+    if config.items_fn is not None and config.items_per_sample is not None:
+        problems.append("give telemetry.items_fn or telemetry.items_per_sample, not both")
+    return problems

@@ -1,0 +1,116 @@
+"""Checks of a policy that need nothing but the policy: raised as ``PolicyError`` naming what is valid.
+
+Checks that need the installed torch (which backends exist, whether background compilation or nested
+regions work) run where the policy is applied: ``compile_trainer.compiling.runtime_checks``.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from compile_trainer.schema.policy import (
+    ACTIONS,
+    OPTIMIZER_CANDIDATES,
+    OPTIMIZER_COMPILE,
+    REST_ACTIONS,
+    CompilePolicy,
+    OptimizerPolicy,
+)
+from compile_trainer.schema.settings import MODES
+from compile_trainer.schema.shapes import bucket_lengths, dynamic_problems, padding_problems
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be applied; raised before training starts."""
+
+
+def check_mode(where: str, mode: Optional[str]) -> None:
+    if mode is not None and mode not in MODES:
+        raise PolicyError(f"{where}: invalid mode {mode!r}. Valid modes: {', '.join(MODES)}.")
+
+
+def validate_policy(policy: CompilePolicy) -> CompilePolicy:
+    """Check values that the type system cannot; raise ``PolicyError`` naming what is valid."""
+    where = f"compile policy {policy.name!r}"
+    check_mode(where, policy.mode)
+    if policy.recompile_limit < 1:
+        raise PolicyError(f"{where}: recompile_limit must be >= 1, got {policy.recompile_limit}.")
+    validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
+    if policy.enabled and not policy.rules and policy.optimizer.compile == "false":
+        raise PolicyError(
+            f"{where}: enabled but has no rules and does not compile the optimizer; add a rule such as "
+            "{name: '*', action: full}, or set optimizer.compile (true or auto) for an optimizer-only policy."
+        )
+    for index, rule in enumerate(policy.rules):
+        rule_where = f"{where}, rule {index} {rule.describe()}"
+        if rule.name is None and rule.class_name is None:
+            raise PolicyError(f"{rule_where}: give `name` (a qualified-name glob) or `class_name`, or both.")
+        if rule.action not in ACTIONS:
+            raise PolicyError(f"{rule_where}: invalid action {rule.action!r}. Valid actions: {', '.join(ACTIONS)}.")
+        if rule.rest not in REST_ACTIONS:
+            raise PolicyError(f"{rule_where}: invalid rest {rule.rest!r}. Valid values: {', '.join(REST_ACTIONS)}.")
+        check_mode(rule_where, rule.mode)
+    for problem in shape_policy_problems(policy):
+        raise PolicyError(f"{where}: {problem}.")
+    if policy.background:
+        _check_background(where, policy)
+    return policy
+
+
+def _check_background(where: str, policy: CompilePolicy) -> None:
+    nested = [index for index, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "nested"]
+    if nested:
+        raise PolicyError(
+            f"{where}: background: true with rest: nested (rule {nested[0]}) is not supported: compiling nested "
+            "regions on a background thread failed on an H100 (torch 2.11); use rest: compile, or background: false."
+        )
+    if policy.shapes.warmup:
+        raise PolicyError(
+            f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "
+            "every bucket before the first step; background compiles while eager steps run); set one of them false."
+        )
+
+
+def validate_optimizer_policy(optimizer: OptimizerPolicy, where: str = "optimizer policy") -> OptimizerPolicy:
+    optimizer.compile = str(optimizer.compile).lower()  # YAML's `true` arrives as the string "True"
+    if optimizer.compile not in OPTIMIZER_COMPILE:
+        raise PolicyError(
+            f"{where}: invalid compile {optimizer.compile!r}. Valid values: {', '.join(OPTIMIZER_COMPILE)}."
+        )
+    check_mode(where, optimizer.mode)
+    unknown = [c for c in optimizer.auto_candidates if c not in OPTIMIZER_CANDIDATES]
+    if unknown or not optimizer.auto_candidates:
+        raise PolicyError(
+            f"{where}: invalid auto_candidates {list(optimizer.auto_candidates)}. "
+            f"Give one or more of: {', '.join(OPTIMIZER_CANDIDATES)}."
+        )
+    if optimizer.auto_steps < 1:
+        raise PolicyError(f"{where}: auto_steps must be >= 1, got {optimizer.auto_steps}.")
+    return optimizer
+
+
+def shape_policy_problems(policy: CompilePolicy) -> List[str]:
+    """What is wrong with ``policy.shapes``, as messages naming what is valid (empty when all is well)."""
+    shapes = policy.shapes
+    problems = dynamic_problems(shapes.dynamic, shapes.pad) + padding_problems(shapes.pad)
+    static = [policy.dynamic is False] + [rule.dynamic is False for rule in policy.rules]
+    if shapes.dynamic and any(static):
+        problems.append(
+            "shapes.dynamic marks dimensions dynamic, but `dynamic: false` (in the policy or a rule) makes "
+            "torch.compile ignore the marks; set dynamic to null"
+        )
+    if shapes.strict_recompiles and not shapes.warmup:
+        problems.append(
+            "shapes.strict_recompiles needs shapes.warmup: true, or the first compile of a shape would fail"
+        )
+    if shapes.pad.enabled and not problems:
+        buckets = bucket_lengths(shapes.pad)
+        if buckets is None and shapes.warmup:
+            problems.append("shapes.warmup needs a finite set of buckets: give shapes.pad.max with multiple_of")
+        elif buckets is not None and any(static) and len(buckets) > policy.recompile_limit:
+            problems.append(
+                f"{len(buckets)} buckets compile {len(buckets)} static graphs per region, more than "
+                f"recompile_limit ({policy.recompile_limit}); past it a region silently runs eagerly. "
+                "Raise recompile_limit or use fewer buckets"
+            )
+    return problems

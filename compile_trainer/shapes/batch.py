@@ -1,0 +1,292 @@
+"""Applying a policy's ``shapes`` section to batches: padding to buckets and ``mark_dynamic``.
+
+``BatchShaper`` applies both to a batch (a tensor, or dicts, lists, tuples, named tuples and dataclasses of
+them); it works without Lightning, and ``PadCollate`` does the padding in a DataLoader on the host.
+Entries are named by dotted paths: dict keys, sequence indices, or field names (``inputs``, ``0``,
+``features.mask``). The declarations and their checks: ``compile_trainer.schema.shapes``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from torch.utils.data import default_collate
+
+from compile_trainer import compat
+from compile_trainer.schema.shapes import ShapesPolicy, bucket_lengths
+
+
+class ShapeError(ValueError):
+    """A batch that does not fit the policy's ``shapes`` section."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batch traversal: entries by dotted path in tensors, dicts, lists, tuples, named tuples and dataclasses
+
+
+def _is_namedtuple(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(node, "_fields")
+
+
+def _children(node: Any) -> Iterator[Tuple[str, Any]]:
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    if _is_namedtuple(node):
+        return zip(node._fields, node)
+    if isinstance(node, Mapping):
+        return ((str(key), value) for key, value in node.items())
+    if isinstance(node, (list, tuple)):
+        return ((str(index), value) for index, value in enumerate(node))
+    return iter(())
+
+
+def batch_tensors(batch: Any, prefix: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every tensor in ``batch`` with its dotted path."""
+    if isinstance(batch, torch.Tensor):
+        yield prefix, batch
+        return
+    for name, child in _children(batch):
+        yield from batch_tensors(child, f"{prefix}.{name}" if prefix else name)
+
+
+def describe_batch(batch: Any) -> str:
+    """``inputs: (4, 37) int64, targets: (4, 37) int64`` for error messages."""
+    items = [
+        f"{path or '<batch>'}: {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+        for path, t in batch_tensors(batch)
+    ]
+    return ", ".join(items) or "no tensors"
+
+
+def _child_key(node: Any, segment: str) -> Any:
+    """The key under which ``segment`` addresses a child of ``node``; ``KeyError`` when there is none."""
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        if segment in {f.name for f in dataclasses.fields(node)}:
+            return segment
+    elif _is_namedtuple(node) and segment in node._fields:
+        return node._fields.index(segment)
+    elif isinstance(node, Mapping):
+        if segment in node:
+            return segment
+        if segment.lstrip("-").isdigit() and int(segment) in node:
+            return int(segment)
+    elif isinstance(node, (list, tuple)) and segment.isdigit() and int(segment) < len(node):
+        return int(segment)
+    raise KeyError(segment)
+
+
+def _get_child(node: Any, key: Any) -> Any:
+    if isinstance(key, str) and not isinstance(node, Mapping):
+        return getattr(node, key)
+    return node[key]
+
+
+def _with_child(node: Any, key: Any, child: Any) -> Any:
+    """A shallow copy of ``node`` whose child at ``key`` is ``child``; ``node`` itself is left as it was."""
+    if dataclasses.is_dataclass(node):
+        copied = copy.copy(node)
+        object.__setattr__(copied, key, child)  # frozen dataclasses too
+        return copied
+    if _is_namedtuple(node):
+        return node._replace(**{node._fields[key]: child})
+    if isinstance(node, tuple):
+        return node[:key] + (child,) + node[key + 1 :]
+    copied = copy.copy(node)
+    copied[key] = child
+    return copied
+
+
+def get_entry(batch: Any, path: str) -> torch.Tensor:
+    """The tensor at ``path`` in ``batch``; ``ShapeError`` naming the entries seen when there is none."""
+    node = batch
+    for segment in path.split(".") if path else []:
+        try:
+            node = _get_child(node, _child_key(node, segment))
+        except KeyError:
+            raise ShapeError(f"the batch has no entry {path!r}; entries seen: {describe_batch(batch)}") from None
+    if not isinstance(node, torch.Tensor):
+        raise ShapeError(
+            f"batch entry {path!r} is a {type(node).__name__}, not a tensor; entries seen: {describe_batch(batch)}"
+        )
+    return node
+
+
+def replace_entries(batch: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    """A copy of ``batch`` (of the same container types) with the tensors at the given paths replaced."""
+    for path, tensor in tensors.items():
+        batch = _replace(batch, path.split(".") if path else [], tensor)
+    return batch
+
+
+def _replace(node: Any, segments: List[str], value: Any) -> Any:
+    if not segments:
+        return value
+    key = _child_key(node, segments[0])
+    return _with_child(node, key, _replace(_get_child(node, key), segments[1:], value))
+
+
+def _check_dim(path: str, tensor: torch.Tensor, dim: int, batch: Any) -> int:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ShapeError(
+            f"batch entry {path!r} has shape {tuple(tensor.shape)}: dim {dim} does not exist; "
+            f"entries seen: {describe_batch(batch)}"
+        )
+    return dim % tensor.dim()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The transforms
+
+
+def pad_to_length(tensor: torch.Tensor, dim: int, length: int, value: Any) -> torch.Tensor:
+    """``tensor`` padded with ``value`` (or cut) along ``dim`` to ``length``, contiguous.
+
+    Contiguous because a static graph also guards on strides: a batch that is a slice of a larger
+    tensor would otherwise compile a graph of its own even at a bucket's exact length.
+    """
+    current = tensor.shape[dim]
+    if current == length:
+        return tensor.contiguous()
+    if current > length:
+        return tensor.narrow(dim, 0, length).contiguous()
+    shape = list(tensor.shape)
+    shape[dim] = length
+    padded = tensor.new_full(shape, value)
+    padded.narrow(dim, 0, current).copy_(tensor)
+    return padded
+
+
+def _check_value(path: str, tensor: torch.Tensor, value: Any) -> None:
+    is_integral = not (tensor.is_floating_point() or tensor.is_complex())
+    if is_integral and isinstance(value, float) and not value.is_integer():
+        raise ShapeError(f"pad value {value!r} for batch entry {path!r} does not fit its dtype {tensor.dtype}")
+
+
+class BatchShaper:
+    """Applies a ``ShapesPolicy`` to batches: ``shaper(batch)`` pads, then marks; both also work alone.
+
+    Padding returns a new batch of the same container types; marking marks the tensors in place. The
+    shaper remembers the dynamic sizes of the last batch it marked, for ``mark_region_inputs``.
+    """
+
+    def __init__(self, shapes: ShapesPolicy):
+        self.shapes = shapes
+        self.buckets = bucket_lengths(shapes.pad) if shapes.pad.enabled else None
+        # (dim, size) patterns of the last marked batch's dynamic entries, and the ids of its marked tensors
+        # (alive while that batch is in use, so an id cannot be another tensor's meanwhile)
+        self.patterns: List[Tuple[Tuple[int, int], ...]] = []
+        self._marked: Set[int] = set()
+
+    def __call__(self, batch: Any) -> Any:
+        return self.mark(self.pad(batch))
+
+    def bucket_for(self, length: int) -> Optional[int]:
+        """The smallest bucket that holds ``length``; ``None`` when it is longer than every bucket."""
+        pad = self.shapes.pad
+        if self.buckets is None:
+            return -(-length // pad.multiple_of) * pad.multiple_of
+        return next((bucket for bucket in self.buckets if bucket >= length), None)
+
+    def pad(self, batch: Any, length: Optional[int] = None) -> Any:
+        """Pad the declared entries to the bucket of the longest (or to ``length``, cutting if need be)."""
+        pad = self.shapes.pad
+        if not pad.enabled:
+            return batch
+        entries = {path: get_entry(batch, path) for path in pad.values}
+        dims = {path: _check_dim(path, t, pad.dim, batch) for path, t in entries.items()}
+        longest = max(t.shape[dims[path]] for path, t in entries.items())
+        self._check_undeclared(batch, entries, dims, longest)
+        if length is None:
+            length = self.bucket_for(longest)
+            if length is None and pad.overflow == "error":
+                raise ShapeError(
+                    f"batch entries {', '.join(map(repr, entries))} have length {longest} at dim {pad.dim}, longer "
+                    f"than the largest bucket {self.buckets[-1]} (shapes.pad.overflow: error); add a bucket, "
+                    "or set overflow: truncate to cut such batches"
+                )
+            length = self.buckets[-1] if length is None else length
+        padded = {}
+        for path, tensor in entries.items():
+            _check_value(path, tensor, pad.values[path])
+            padded[path] = pad_to_length(tensor, dims[path], length, pad.values[path])
+        return replace_entries(batch, padded)
+
+    def _check_undeclared(
+        self, batch: Any, entries: Dict[str, torch.Tensor], dims: Dict[str, int], length: int
+    ) -> None:
+        """An entry shaped like the padded ones but without a pad value would fall out of step with them."""
+        reference = next(iter(entries.values()))
+        leading = tuple(reference.shape[: dims[next(iter(entries))]])
+        for path, tensor in batch_tensors(batch):
+            if path in entries or tensor.dim() <= len(leading):
+                continue
+            if tuple(tensor.shape[: len(leading)]) == leading and tensor.shape[len(leading)] == length:
+                raise ShapeError(
+                    f"batch entry {path!r} {tuple(tensor.shape)} has the padded length {length} at dim "
+                    f"{len(leading)} but no pad value; add it to shapes.pad.values (pad_token_id for ids, "
+                    "0/false for masks, ignore_index for labels)"
+                )
+
+    def mark(self, batch: Any) -> Any:
+        """``mark_dynamic`` the declared dimensions of ``batch``'s entries (in place); returns ``batch``."""
+        if not self.shapes.dynamic:
+            return batch
+        by_entry: Dict[str, List[Tuple[int, int]]] = {}
+        self._marked = set()
+        for spec in self.shapes.dynamic:
+            tensor = get_entry(batch, spec.entry)
+            dim = _check_dim(spec.entry, tensor, spec.dim, batch)
+            size = tensor.shape[dim]
+            if size < 2:
+                continue  # 0/1 are specialized by Dynamo; marking would not make them dynamic
+            if (spec.min is not None and size < spec.min) or (spec.max is not None and size > spec.max):
+                raise ShapeError(
+                    f"batch entry {spec.entry!r} has size {size} at dim {spec.dim}, outside the range "
+                    f"[{spec.min}, {spec.max}] declared in shapes.dynamic; widen min/max, or pad/cut the batch"
+                )
+            compat.mark_dynamic(tensor, dim, min=spec.min, max=spec.max)
+            self._marked.add(id(tensor))
+            by_entry.setdefault(spec.entry, []).append((dim, size))
+        self.patterns = sorted({tuple(sorted(pattern)) for pattern in by_entry.values()})
+        return batch
+
+    def mark_region_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Mark the tensor arguments of a compiled region that have a batch entry's dynamic sizes at the same dims.
+
+        ``maybe_mark_dynamic`` is used, so a dimension the region's code needs static is specialized
+        without an error.
+        """
+        if not self.patterns:
+            return
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, torch.Tensor) or id(value) in self._marked:
+                continue
+            for pattern in self.patterns:
+                if all(dim < value.dim() and value.shape[dim] == size for dim, size in pattern):
+                    compat.maybe_mark_dynamic(value, [dim for dim, _ in pattern])
+
+    def warmup_batches(self, batch: Any) -> List[Any]:
+        """Batches made from ``batch`` that together compile every bucket (just ``batch`` without buckets)."""
+        if self.buckets is None:
+            return [self(batch)]
+        return [self.mark(self.pad(batch, length)) for length in self.buckets]
+
+
+class PadCollate:
+    """A DataLoader ``collate_fn`` that pads each collated batch to its bucket on the host.
+
+    Picklable (a class, not a closure), so it works with worker processes.
+    """
+
+    def __init__(self, shapes: ShapesPolicy, collate_fn: Optional[Callable[[List[Any]], Any]] = None):
+        if not shapes.pad.enabled:
+            raise ValueError("PadCollate needs a shapes policy whose `pad` section gives buckets")
+        self.shaper = BatchShaper(shapes)
+        self.collate_fn = collate_fn or default_collate
+
+    def __call__(self, samples: List[Any]) -> Any:
+        return self.shaper.pad(self.collate_fn(samples))

@@ -1,0 +1,1 @@
+"""Telemetry without Lightning: compile events attributed to regions, advice, and throughput."""

@@ -1,0 +1,595 @@
+"""Compile telemetry: what Dynamo compiled, recompiled and broke, attributed to the policy's regions.
+
+Everything is read in-process from PyTorch's structured sources, never from stderr:
+
+- the compile start/end callbacks (``torch._dynamo.callback.callback_handler``): each compile's id
+  (``"frame/attempt"``; attempt > 0 is a recompile), its trigger (a frame, a lazy backward, CUDA-graph
+  recording) and its wall time. ``torch._dynamo.reset()`` clears them, so ``ensure_installed()`` re-registers;
+- ``torch._dynamo.utils.graph_break_reasons``: one ``GraphCompileReason`` per graph break, with the reason
+  and the user stack (the list ``torch._dynamo.explain`` reads);
+- ``torch._dynamo.utils.counters``: process-wide, so diffed around each compile (unique graphs);
+- ``get_compilation_metrics()``: the compiled frame's code name and file, the guard that failed for a
+  recompile, frames that fell back to eager (the recompile limit, breaks Dynamo cannot resume from).
+
+Attribution: ``apply_policy`` compiles every region through an entry function whose code name is
+``compiled_region__<Class>[_n]`` (``CompiledRegion.entry_name``). A compile belongs to the region whose
+entry is the compiled frame itself or is on the Python stack when the compile starts (frames that a
+graph break split off run below it); a lazy backward compile shares its forward's compile id.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from compile_trainer import compat
+from compile_trainer.compiling.regions import ENTRY_PREFIX, AppliedPolicy
+from compile_trainer.tables import text_table
+from compile_trainer.telemetry.fixes import suggest_fix
+
+log = logging.getLogger(__name__)
+
+TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+APPLY_FILE = str(Path(__file__).resolve().parents[1] / "compiling" / "regions.py")
+OUTSIDE_REGIONS = "outside_regions"
+# Compiles in a phase named so (``shapes.warmup``: one graph per bucket, on purpose) are not recompiles.
+WARMUP_PHASE = "warm-up"
+EVENT_COLUMNS = ("kind", "region", "phase", "step", "compile_id", "reason", "location", "fix")
+
+
+def _split_compile_id(compile_id: str) -> Tuple[str, int]:
+    """``"3/1"`` -> ``("3", 1)``; compiled-autograd ids carry a prefix (``"!0/3/1"``)."""
+    match = re.search(r"(\d+)/(\d+)\s*\]?$", compile_id or "")
+    if match is None:
+        return compile_id or "?", 0
+    return match.group(1), int(match.group(2))
+
+
+def first_line(text: str) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
+
+def guard_text(recompile_reason: Optional[str]) -> str:
+    """The failed guard of a recompile, without Dynamo's ``"0/0: "`` cache-entry prefix."""
+    line = re.sub(r"^\d+/\d+:\s*", "", first_line(recompile_reason or ""))
+    guard_and_source = [re.sub(r"\s+", " ", part).strip() for part in line.split(" # ")[:2]]
+    return "  # ".join(guard_and_source)  # the rest of the line is a truncated path
+
+
+@dataclass
+class CompileEvent:
+    """A recompile, a graph break, a frame that fell back to eager, a region hitting the recompile limit, or a
+    graph that runs without the CUDA graphs its policy asked for."""
+
+    kind: str  # "recompile", "graph_break", "eager_fallback", "recompile_limit", "cudagraph_skip"
+    region: str
+    phase: str
+    step: Optional[int]
+    compile_id: str
+    reason: str
+    location: str = ""
+    fix: str = ""
+
+    def row(self) -> List[Any]:
+        return [getattr(self, name) for name in EVENT_COLUMNS]
+
+
+@dataclass
+class GraphBreak:
+    """One distinct graph break: a reason at a user source location, in a region."""
+
+    region: str
+    reason: str
+    location: str  # "file:line" of the innermost user frame
+    function: str
+    declared: bool  # caused by an `eager` rule of the policy
+    count: int = 0  # how often Dynamo met it (once per compile that traced it)
+    step: Optional[int] = None  # first seen
+
+    @property
+    def short_reason(self) -> str:
+        return first_line(self.reason)
+
+
+@dataclass
+class RegionStats:
+    """Per region (one compiled entry: all the blocks that share it, or one module)."""
+
+    label: str
+    modules: List[str] = field(default_factory=list)
+    compiles: int = 0  # frame compiles: first ones, grad-mode variants and recompiles
+    recompiles: int = 0
+    # The first graph of a frame under another grad mode (validation under no_grad): expected, not a recompile.
+    grad_mode_variants: int = 0
+    graphs: int = 0
+    compile_time_s: float = 0.0  # frames, lazy backward and CUDA-graph recording
+    recompile_time_s: float = 0.0  # the part of compile_time_s spent in recompiles
+    graph_breaks: int = 0
+    limit_hits: int = 0
+    cudagraph_skips: int = 0  # graphs asked to use CUDA graphs that run without them
+
+
+@dataclass
+class _Compile:
+    """One compile, as the callbacks saw it; finished once its compilation metrics are read."""
+
+    compile_id: str
+    trigger: str
+    entry: Optional[str]
+    phase: str
+    step: Optional[int]
+    started: float
+    grad_enabled: bool
+    breaks_before: int
+    graphs_before: int
+    cudagraph_skips_before: int
+    seconds: float = 0.0
+    graphs: int = 0
+    breaks: list = field(default_factory=list)
+    cudagraph_skips: int = 0
+    recompile: bool = False  # a frame compile that counts as a recompile (its lazy backward too)
+
+
+def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List[str]]]:
+    """entry name -> (label, region module names). Blocks sharing an entry are labelled by their container."""
+    groups: Dict[str, List[str]] = {}
+    for item in applied.compiled if applied is not None else []:
+        groups.setdefault(item.entry_name, []).append(item.region.name)
+    labels = {}
+    for entry, names in groups.items():
+        if len(names) == 1:
+            labels[entry] = (names[0], names)
+        else:
+            parents = sorted({name.rsplit(".", 1)[0] if "." in name else "" for name in names})
+            labels[entry] = ("+".join(p or "<root>" for p in parents), names)
+    return labels
+
+
+def _user_frame(stack: list) -> Optional[Any]:
+    """The innermost frame of a user stack that is neither torch's nor the policy's entry function."""
+    for frame in reversed(stack or []):
+        filename = str(Path(frame.filename).resolve()) if frame.filename else ""
+        if filename.startswith(TORCH_DIR) or filename == APPLY_FILE or frame.name.startswith(ENTRY_PREFIX):
+            continue
+        return frame
+    return stack[-1] if stack else None
+
+
+class CompileTelemetry:
+    """Collects compile events while installed; ``collect()`` turns what Dynamo recorded into stats.
+
+    Cheap in steady state: nothing runs unless Dynamo compiles. ``step`` and ``phase`` are set by the
+    caller (the Lightning callback) so that events say when they happened.
+    """
+
+    def __init__(self, applied: Optional[AppliedPolicy] = None, root: Optional[nn.Module] = None):
+        self.applied = applied
+        self.root = root if root is not None else (applied.root if applied is not None else None)
+        self.step: Optional[int] = None
+        self.phase = "setup"
+        self.compile_count = 0  # compiles started, any trigger: a step during which it changes is a compile step
+        self.compile_time_s = 0.0
+        self.unique_graphs = 0
+        self.events: List[CompileEvent] = []
+        self.breaks: Dict[Tuple[str, str, str], GraphBreak] = {}
+        self.regions: Dict[str, RegionStats] = {}
+        self.runtime_cudagraph_skips = 0  # skipped when a graph ran, not when it compiled: region unknown
+        self._cudagraph_skips_seen = compat.cudagraph_skips()  # Inductor's counter, as far as the events account for it
+        self._labels = region_labels(applied)
+        for label, names in self._labels.values():
+            self.regions[label] = RegionStats(label, names)
+        self._declared = self._declared_functions()
+        self._installed = False
+        self._active: Optional[_Compile] = None
+        self._forward: Dict[str, _Compile] = {}  # compile id -> its frame compile, until its metrics arrive
+        self._finished: Dict[str, _Compile] = {}  # compile id -> frame compile, for lazy backward attribution
+        self._backward: List[_Compile] = []
+        self._frame_entry: Dict[str, str] = {}  # frame number -> entry name
+        self._frame_grad_modes: Dict[str, set] = {}  # frame number -> grad modes it has a graph for
+        self._frame_warned: set = set()
+        self._last_metric: Any = None
+
+    # -- installation -------------------------------------------------------------------------------
+
+    def install(self) -> CompileTelemetry:
+        metrics = compat.compilation_metrics()
+        self._last_metric = metrics[-1] if metrics else None  # earlier compiles are not ours
+        self._cudagraph_skips_seen = compat.cudagraph_skips()
+        self.ensure_installed()
+        return self
+
+    def ensure_installed(self) -> None:
+        """Register the callbacks (again, after a ``torch._dynamo.reset()`` cleared them)."""
+        handler = compat.dynamo_callback_handler()
+        if self._on_start in handler.start_callbacks:
+            return
+        if self._installed:  # a reset happened: compile ids restart at 0/0
+            self._frame_entry.clear()
+            self._frame_grad_modes.clear()
+            self._forward.clear()
+            self._finished.clear()
+        handler.register_start_callback(self._on_start)
+        handler.register_end_callback(self._on_end)
+        self._installed = True
+
+    def uninstall(self) -> None:
+        handler = compat.dynamo_callback_handler()
+        if self._on_start in handler.start_callbacks:
+            handler.remove_start_callback(self._on_start)
+        if self._on_end in handler.end_callbacks:
+            handler.remove_end_callback(self._on_end)
+        self._installed = False
+
+    # -- callbacks (run inside Dynamo; keep them small) ---------------------------------------------
+
+    def _on_start(self, args: Any) -> None:
+        trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
+        compile_id = str(getattr(args, "compile_id", ""))
+        self._read_metrics()
+        entry = self._entry_on_stack() if trigger == "DYNAMO" else None
+        self._active = _Compile(
+            compile_id=compile_id,
+            trigger=trigger,
+            entry=entry,
+            phase=self.phase,
+            step=self.step,
+            started=time.perf_counter(),
+            grad_enabled=torch.is_grad_enabled(),
+            breaks_before=len(compat.graph_break_reasons()),
+            graphs_before=compat.unique_graphs(),
+            cudagraph_skips_before=compat.cudagraph_skips(),
+        )
+        self.compile_count += 1
+
+    def _on_end(self, args: Any) -> None:
+        record, self._active = self._active, None
+        if record is None:
+            return
+        record.seconds = time.perf_counter() - record.started
+        record.graphs = compat.unique_graphs() - record.graphs_before
+        record.cudagraph_skips = compat.cudagraph_skips() - record.cudagraph_skips_before
+        reasons = compat.graph_break_reasons()
+        record.breaks = list(reasons[record.breaks_before :]) if len(reasons) >= record.breaks_before else []
+        self.compile_time_s += record.seconds
+        if record.trigger == "DYNAMO":
+            self._forward[record.compile_id] = record
+        else:
+            self._backward.append(record)
+
+    @staticmethod
+    def _entry_on_stack() -> Optional[str]:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code.co_name.startswith(ENTRY_PREFIX):
+                return frame.f_code.co_name
+            frame = frame.f_back
+        return None
+
+    # -- turning records into stats -----------------------------------------------------------------
+
+    def collect(self) -> List[CompileEvent]:
+        """Process everything recorded since the last call; return the new events."""
+        before = len(self.events)
+        self._read_metrics()
+        for compile_id in list(self._forward):  # ended, but its metrics fell out of Dynamo's bounded deque
+            self._finish(self._forward.pop(compile_id), None)
+        for record in self._backward:
+            self._finish(record, None)
+        self._backward.clear()
+        self._runtime_cudagraph_skips()
+        return self.events[before:]
+
+    def _read_metrics(self) -> None:
+        metrics = compat.compilation_metrics()
+        start = 0
+        if self._last_metric is not None:
+            for index in range(len(metrics) - 1, -1, -1):
+                if metrics[index] is self._last_metric:
+                    start = index + 1
+                    break
+        for metric in metrics[start:]:
+            self._on_metric(metric)
+        if metrics:
+            self._last_metric = metrics[-1]
+
+    def _on_metric(self, metric: Any) -> None:
+        if getattr(metric, "is_forward", True) is False:
+            return  # a backward compile: timed by its LAZY_BACKWARD callbacks
+        compile_id = str(getattr(metric, "compile_id", "") or "")
+        record = self._forward.pop(compile_id, None)
+        if record is not None:
+            self._finish(record, metric)
+        elif getattr(metric, "fail_type", None):  # refused before any callback ran: the recompile limit
+            frame, attempt = _split_compile_id(compile_id)
+            entry = self._frame_entry.get(frame)
+            self._failure(entry, compile_id, attempt, metric, self.phase, self.step)
+
+    def _label(self, entry: Optional[str]) -> str:
+        if entry is not None and entry in self._labels:
+            return self._labels[entry][0]
+        if entry is not None:
+            return entry[len(ENTRY_PREFIX) :]
+        return OUTSIDE_REGIONS
+
+    def _stats(self, label: str) -> RegionStats:
+        if label not in self.regions:
+            self.regions[label] = RegionStats(label)
+        return self.regions[label]
+
+    def _finish(self, record: _Compile, metric: Any) -> None:
+        frame, attempt = _split_compile_id(record.compile_id)
+        co_name = getattr(metric, "co_name", None) or ""
+        entry = co_name if co_name.startswith(ENTRY_PREFIX) else record.entry
+        if entry is None and record.trigger != "DYNAMO":
+            forward = self._finished.get(record.compile_id)
+            entry = forward.entry if forward is not None else None
+        if record.trigger == "DYNAMO":
+            record.entry = entry
+            if entry is not None:
+                self._frame_entry.setdefault(frame, entry)
+            self._finished[record.compile_id] = record
+        stats = self._stats(self._label(entry))
+        stats.compile_time_s += record.seconds
+        if record.cudagraph_skips:
+            self._cudagraph_skip(stats, record, metric)
+        if record.trigger != "DYNAMO":
+            forward = self._finished.get(record.compile_id)
+            if forward is not None and forward.recompile:
+                stats.recompile_time_s += record.seconds
+            return
+        stats.compiles += 1
+        stats.graphs += record.graphs
+        self.unique_graphs += record.graphs
+        modes = self._frame_grad_modes.setdefault(frame, set())
+        grad_mode_variant = attempt > 0 and record.grad_enabled not in modes
+        modes.add(record.grad_enabled)
+        if grad_mode_variant:
+            stats.grad_mode_variants += 1
+        elif attempt > 0:
+            reason = guard_text(getattr(metric, "recompile_reason", None)) or "unknown guard (no compilation metrics)"
+            record.recompile = not record.phase.startswith(WARMUP_PHASE)
+            if record.recompile:
+                stats.recompiles += 1
+                stats.recompile_time_s += record.seconds
+                self._event("recompile", stats.label, record, reason)
+            self._check_limit(frame, attempt, stats, reason)
+        for item in record.breaks:
+            self._graph_break(stats, record, item)
+        if getattr(metric, "fail_type", None):
+            self._failure(entry, record.compile_id, attempt, metric, record.phase, record.step)
+
+    def _event(
+        self, kind: str, label: str, where: Any, reason: str, location: str = "", fix: Optional[str] = None
+    ) -> CompileEvent:
+        """Record an event; ``where`` has the compile id, phase and step. ``fix`` defaults to one for ``reason``."""
+        event = CompileEvent(
+            kind=kind,
+            region=label,
+            phase=where.phase,
+            step=where.step,
+            compile_id=where.compile_id,
+            reason=reason,
+            location=location,
+            fix=suggest_fix(kind, reason) if fix is None else fix,
+        )
+        self.events.append(event)
+        return event
+
+    def _cudagraph_skip(self, stats: RegionStats, record: _Compile, metric: Any) -> None:
+        stats.cudagraph_skips += record.cudagraph_skips
+        self._cudagraph_skips_seen += record.cudagraph_skips
+        reason = str(getattr(metric, "cudagraph_skip_reason", None) or "") or (
+            "reason not reported by Inductor (it reports it only for graphs on a CUDA device)"
+        )
+        event = self._event("cudagraph_skip", stats.label, record, first_line(reason))
+        log.warning("region %s runs without CUDA graphs: %s. Fix: %s", stats.label, event.reason, event.fix)
+
+    def _runtime_cudagraph_skips(self) -> None:
+        """Skips counted outside any compile: CUDA graph trees give up on a graph when it runs (an input
+        mutated outside the graphs' memory, too many re-recordings), and say why only in a log that is off
+        by default."""
+        skipped = compat.cudagraph_skips() - self._cudagraph_skips_seen
+        if skipped <= 0:
+            return
+        self._cudagraph_skips_seen += skipped
+        self.runtime_cudagraph_skips += skipped
+        reason = f"{skipped} graph(s) stopped using CUDA graphs at run time (TORCH_LOGS=cudagraphs shows why)"
+        where = _Where("-", self.phase, self.step)
+        event = self._event("cudagraph_skip", "-", where, reason)
+        log.warning("%s. Fix: %s", reason, event.fix)
+
+    def _graph_break(self, stats: RegionStats, record: _Compile, item: Any) -> None:
+        reason = str(getattr(item, "reason", item))
+        frame = _user_frame(list(getattr(item, "user_stack", []) or []))
+        location = f"{frame.filename}:{frame.lineno}" if frame is not None else ""
+        function = frame.name if frame is not None else ""
+        key = (stats.label, reason, location)
+        if key not in self.breaks:
+            declared = "torch.compiler.disable" in reason and any(name in reason for name in self._declared)
+            self.breaks[key] = GraphBreak(stats.label, reason, location, function, declared, step=record.step)
+            stats.graph_breaks += 1
+            fix = suggest_fix("graph_break", reason)
+            event = self._event("graph_break", stats.label, record, first_line(reason), location, fix)
+            log.log(
+                logging.INFO if declared else logging.WARNING,
+                "graph break in region %s at %s: %s%s",
+                stats.label,
+                location or "?",
+                first_line(reason),
+                " (declared by an eager rule)" if declared else f". Fix: {event.fix}",
+            )
+        self.breaks[key].count += 1
+
+    def _failure(
+        self, entry: Optional[str], compile_id: str, attempt: int, metric: Any, phase: str, step: Optional[int]
+    ) -> None:
+        label = self._label(entry)
+        stats = self._stats(label)
+        reason = str(getattr(metric, "fail_reason", "") or "")
+        limit = compat.recompile_limit()
+        where = _Where(compile_id, phase, step)
+        if compat.is_recompile_limit(reason) or attempt >= limit:
+            stats.limit_hits += 1
+            guard = guard_text(getattr(metric, "recompile_reason", None)) or "unknown"
+            event = self._event("recompile_limit", label, where, guard, fix=suggest_fix("recompile", guard))
+            log.error(
+                "region %s hit recompile_limit=%d: Dynamo now runs it EAGERLY, without the compiled speed-up. "
+                "The guard that kept failing: %s. Fix: %s.",
+                label,
+                limit,
+                guard,
+                event.fix,
+            )
+            return
+        filename = getattr(metric, "co_filename", None) or ""
+        location = f"{filename}:{getattr(metric, 'co_firstlineno', '')}" if filename else ""
+        event = self._event(
+            "eager_fallback", label, where, first_line(reason), location, suggest_fix("eager_fallback", reason)
+        )
+        log.warning(
+            "region %s: frame %s (%s) fell back to eager: %s. Fix: %s",
+            label,
+            getattr(metric, "co_name", "?"),
+            location,
+            first_line(reason),
+            event.fix,
+        )
+
+    def _check_limit(self, frame: str, attempt: int, stats: RegionStats, reason: str) -> None:
+        limit = compat.recompile_limit()
+        if attempt >= max(1, limit // 2) and frame not in self._frame_warned and attempt < limit:
+            self._frame_warned.add(frame)
+            log.warning(
+                "region %s has recompiled %d times (recompile_limit=%d; past it the region runs eagerly). "
+                "Last guard that failed: %s. Fix: %s.",
+                stats.label,
+                attempt,
+                limit,
+                reason,
+                suggest_fix("recompile", reason),
+            )
+
+    def _declared_functions(self) -> List[str]:
+        """Qualified names of forwards that `eager` rules disabled inside compiled regions."""
+        if self.applied is None or self.root is None:
+            return []
+        names = set()
+        for name in self.applied.eager_inside:
+            module = self.root.get_submodule(name)
+            names.add(type(module).forward.__qualname__)
+        return sorted(names)
+
+    # -- reports ------------------------------------------------------------------------------------
+
+    def graph_breaks(self) -> List[GraphBreak]:
+        """Distinct graph breaks; one without a location is dropped when the same break has one."""
+        located = {(b.region, b.reason) for b in self.breaks.values() if b.location}
+        return [b for b in self.breaks.values() if b.location or (b.region, b.reason) not in located]
+
+    def owner(self, location: str) -> str:
+        """The modules whose ``forward`` holds ``location`` (``file:line``), e.g. ``model.blocks.0 (Block)``."""
+        if self.root is None or ":" not in location:
+            return ""
+        filename, _, line_text = location.rpartition(":")
+        if not line_text.isdigit():
+            return ""
+        line, best, names = int(line_text), None, []
+        for name, module in self.root.named_modules():
+            code = getattr(type(module).forward, "__code__", None)
+            if code is None or code.co_filename != filename:
+                continue
+            lines = [number for _, _, number in code.co_lines() if number is not None]
+            if not lines or not (code.co_firstlineno <= line <= max(lines)):
+                continue
+            span = max(lines) - code.co_firstlineno
+            if best is None or span < best:
+                best, names = span, [name]
+            elif span == best:
+                names.append(name)
+        if not names:
+            return ""
+        cls = type(self.root.get_submodule(names[0])).__name__
+        shown = names[0] or "<root>"
+        return f"{shown} ({cls})" if len(names) == 1 else f"{shown} and {len(names) - 1} more ({cls})"
+
+    def totals(self) -> Dict[str, Any]:
+        """The compile headline numbers (stable keys; see docs/telemetry.md)."""
+        breaks = self.graph_breaks()
+        return {
+            "compile_time_s": self.compile_time_s,
+            "compiles": sum(s.compiles for s in self.regions.values()),
+            "recompiles": sum(s.recompiles for s in self.regions.values()),
+            "grad_mode_variants": sum(s.grad_mode_variants for s in self.regions.values()),
+            "graph_breaks": sum(1 for b in breaks if not b.declared),
+            "declared_graph_breaks": sum(1 for b in breaks if b.declared),
+            "unique_graphs": self.unique_graphs,
+            "recompile_limit_hits": sum(s.limit_hits for s in self.regions.values()),
+            "eager_fallbacks": sum(1 for e in self.events if e.kind == "eager_fallback"),
+            "cudagraph_skips": sum(s.cudagraph_skips for s in self.regions.values()) + self.runtime_cudagraph_skips,
+        }
+
+    def region_rows(self) -> List[Dict[str, Any]]:
+        return [asdict(stats) for stats in self.regions.values()]
+
+    def format_report(self) -> str:
+        """Regions, graph breaks and recompiles as fixed-width text."""
+        lines = ["compile telemetry"]
+        header = (
+            "region",
+            "modules",
+            "compiles",
+            "recompiles",
+            "grad-mode variants",
+            "graphs",
+            "breaks",
+            "compile s",
+            "of it recompiles",
+        )
+        rows = [
+            (
+                s.label,
+                str(len(s.modules)) if s.modules else "-",
+                str(s.compiles),
+                str(s.recompiles),
+                str(s.grad_mode_variants),
+                str(s.graphs),
+                str(s.graph_breaks),
+                f"{s.compile_time_s:.2f}",
+                f"{s.recompile_time_s:.2f}",
+            )
+            for s in self.regions.values()
+        ]
+        lines += text_table(header, rows)
+        breaks = self.graph_breaks()
+        lines.append(f"graph breaks: {len(breaks)}")
+        for item in breaks:
+            owner = self.owner(item.location)
+            tag = " [declared: eager rule]" if item.declared else ""
+            lines.append(f"  - {item.location or '?'} in {item.function or '?'}{tag}")
+            lines.append(f"    region {item.region}" + (f", module {owner}" if owner else ""))
+            lines.append(f"    reason: {item.short_reason}")
+            if not item.declared:
+                lines.append(f"    fix: {suggest_fix('graph_break', item.reason)}")
+        others = [e for e in self.events if e.kind != "graph_break"]
+        if others:
+            lines.append(f"recompiles and fallbacks: {len(others)}")
+            for event in others:
+                when = f"{event.phase} step {event.step}" if event.step is not None else event.phase
+                lines.append(f"  - {event.kind} of {event.region} ({event.compile_id}, {when}): {event.reason}")
+                lines.append(f"    fix: {event.fix}")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Where:
+    compile_id: str
+    phase: str
+    step: Optional[int]
