@@ -97,6 +97,14 @@ def set_recompile_limit(limit: int) -> int:
     return previous
 
 
+def set_ignored_logger_methods(methods: set) -> set:
+    """Logger methods Dynamo drops while tracing instead of breaking the graph (``ignore_logger_methods``, 2.6+;
+    an alias of ``ignore_logging_functions`` from 2.12); returns the previous set, to restore it with."""
+    previous = set(torch._dynamo.config.ignore_logger_methods)
+    torch._dynamo.config.ignore_logger_methods = set(methods)
+    return previous
+
+
 def list_backends() -> List[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
 
@@ -282,6 +290,7 @@ ENTRIES = [
     Entry("cudagraph_skips", cudagraph_skips),
     Entry("recompile_limit", lambda: recompile_limit() >= 1),
     Entry("set_recompile_limit", lambda: set_recompile_limit(set_recompile_limit(3)) == 3),
+    Entry("set_ignored_logger_methods", lambda: set_ignored_logger_methods(set_ignored_logger_methods(set()))),
     Entry("list_backends", lambda: {"inductor", "eager", "aot_eager"} <= set(list_backends())),
     Entry("lookup_backend", lambda: lookup_backend("eager")),
     Entry("inductor_backend", lambda: inductor_backend(None, None, None)),

@@ -65,7 +65,7 @@ AUTOCAST = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, cache_
 def test_regions_compile_on_a_thread_while_steps_run_eagerly_and_losses_match(tiny_gpt):
     reference = copy.deepcopy(tiny_gpt)
     expected = train(reference, 12, context=AUTOCAST)
-    applied = apply_policy(Wrapper(tiny_gpt), to_policy("regional", backend="aot_eager", background=True))
+    applied = apply_policy(Wrapper(tiny_gpt), to_policy("regional_split", backend="aot_eager", background=True))
     background = BackgroundCompile(applied)
     threads = CompileThreads()
     graphs_at_install = []
@@ -137,6 +137,8 @@ def test_background_with_bucket_warmup_or_nested_regions_is_refused_before_train
         to_policy("buckets", background=True)
     with pytest.raises(PolicyError, match="rest: nested"):
         to_policy("regional_nested", background=True)
+    with pytest.raises(PolicyError, match="rest: outer"):
+        to_policy("regional", background=True)
 
 
 class WaitForBackground(pl.Callback):
@@ -152,7 +154,7 @@ class WaitForBackground(pl.Callback):
 
 def test_lightning_fit_switches_to_compiled_regions_and_matches_eager():
     _, _, eager = fit_tiny(None, steps=6)
-    callback = CompileCallback(to_policy("regional", backend="aot_eager", background=True), print_plan=False)
+    callback = CompileCallback(to_policy("regional_split", backend="aot_eager", background=True), print_plan=False)
     _, _, losses = fit_tiny(None, steps=6, callbacks=[callback, WaitForBackground(callback, 2)])
     assert losses == pytest.approx(eager, rel=1e-4)
     assert callback.background.installed
@@ -163,7 +165,7 @@ def test_lightning_fit_switches_to_compiled_regions_and_matches_eager():
 
 
 def test_evaluation_calls_are_not_compiled_in_the_background(tiny_gpt):
-    background = BackgroundCompile(apply_policy(Wrapper(tiny_gpt), to_policy("regional", backend="aot_eager")))
+    background = BackgroundCompile(apply_policy(Wrapper(tiny_gpt), to_policy("regional_split", backend="aot_eager")))
     tokens = torch.randint(0, TINY_GPT.vocab_size, (2, 8))
     tiny_gpt.eval()
     with torch.no_grad():

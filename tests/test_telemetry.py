@@ -71,7 +71,7 @@ def test_shape_change_is_reported_as_a_recompile_with_its_guard():
     event = recompiles[0]
     assert event.region == "blocks" and event.compile_id.endswith("/1")
     assert "size mismatch at index 0. expected 4, actual 6" in event.reason
-    assert "mark the dimension dynamic" in event.fix and "bucket" in event.fix
+    assert "batch size changed" in event.fix and "drop_last" in event.fix, "index 0: the fix for a batch dimension"
     stats = telemetry.regions["blocks"]
     assert (stats.compiles, stats.recompiles, stats.graphs) == (2, 1, 2)
     assert stats.modules == ["blocks.0", "blocks.1"]
@@ -86,7 +86,7 @@ def test_recompile_limit_warns_before_and_errors_with_the_fix_when_hit(caplog):
     assert any("region blocks has recompiled 1 times (recompile_limit=3" in w for w in warnings), warnings
     assert len(errors) == 1, errors
     assert "region blocks hit recompile_limit=3" in errors[0] and "EAGERLY" in errors[0]
-    assert "size mismatch" in errors[0] and "mark_dynamic" in errors[0] and "bucket" in errors[0]
+    assert "size mismatch at index 0" in errors[0] and "drop_last" in errors[0] and "dim 0 dynamic" in errors[0]
     assert telemetry.totals()["recompile_limit_hits"] == 1
     assert telemetry.regions["blocks"].recompiles == 2
 
@@ -138,3 +138,19 @@ def test_cuda_graph_skips_outside_compiles_are_counted_once():
     assert telemetry.runtime_cudagraph_skips == telemetry.totals()["cudagraph_skips"] == 2
     (event,) = [e for e in telemetry.events if e.kind == "cudagraph_skip"]
     assert "at run time" in event.reason and "TORCH_LOGS=cudagraphs" in event.reason
+
+
+@pytest.mark.parametrize(
+    "guard, shared_by, expected",
+    [
+        ("L['self']._modules['self_attn'].layer_idx == 3", 16, "use_cache = False"),
+        ("tensor 'L['self']._modules['conv1']._parameters['weight']' size mismatch at index 0", 8, "split the group"),
+        ("tensor 'L['args'][0]' size mismatch at index 1. expected 16, actual 32", 1, "compile=dynamic"),
+        ("tensor 'L['args'][0]' size mismatch at index 0. expected 8, actual 3", 1, "drop_last=True"),
+        ("L['scale'] == 0.5", 1, "recompile_limit"),
+    ],
+)
+def test_recompile_advice_fits_the_guard_that_failed(guard, shared_by, expected):
+    from compile_trainer.telemetry.fixes import recompile_fix
+
+    assert expected in recompile_fix(guard, shared_by)

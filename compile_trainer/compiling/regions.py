@@ -15,6 +15,7 @@ limit) are restored by ``AppliedPolicy.remove()``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -141,7 +142,13 @@ class AppliedPolicy:
         self.process_settings.close()
 
 
-ROLE_ACTIONS = {"full": "full", "block": "regional block", "rest": "regional rest", "nested": "full, nested blocks"}
+ROLE_ACTIONS = {
+    "full": "full",
+    "block": "regional block",
+    "rest": "regional rest",
+    "outer": "regional outer",
+    "nested": "full, nested blocks",
+}
 
 
 def _row(name: str, module: nn.Module, action: str, rule: int, settings: str, shared_by: int) -> Dict[str, Any]:
@@ -255,6 +262,15 @@ def model_device(module: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
+def once_logger_methods() -> set:
+    """Hugging Face's ``logger.warning_once`` (added to ``logging.Logger`` by transformers): inside a
+    compiled region each is a graph break (GPT-2's loss property calls one every step), so Dynamo is told to drop
+    them while tracing. The message is still printed by any eager call."""
+    # One method only: Dynamo sorts this set when it logs its config, and two lru_cache wrappers do not compare
+    # (torch 2.11 logs "Unexpected exception logging compilation metrics" for every compile).
+    return {logging.Logger.warning_once} if hasattr(logging.Logger, "warning_once") else set()
+
+
 def _refuse_user_compiled(root: nn.Module) -> None:
     """A module the user compiled already would keep its own compiled call and hide the policy's regions."""
     compiled = [
@@ -299,13 +315,16 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         planned.append((region, kwargs))
     for note, names in noted.items():
         applied.notes.append(f"{'all regions' if len(names) == len(plan.regions) else ', '.join(names)}: {note}")
-    # Restored by remove(), not by garbage collection: a generator-based context manager would restore it
+    # Restored by remove(), not by garbage collection: a generator-based context manager would restore them
     # whenever a forgotten AppliedPolicy is collected, under the feet of the policy applied since.
     applied.process_settings.callback(compat.set_recompile_limit, compat.set_recompile_limit(policy.recompile_limit))
+    ignored = compat.set_ignored_logger_methods(set())
+    applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
+    compat.set_ignored_logger_methods(ignored | once_logger_methods())
     for region, kwargs in planned:
-        # Blocks of one class share an entry (one graph); any other region gets its own, so that
+        # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
-        key = repr(sorted(kwargs.items())) + ("" if region.role == "block" else f"@{region.name}")
+        key = repr(sorted(kwargs.items())) + (region.structure if region.role == "block" else f"@{region.name}")
         entry = _entry_function(type(region.module), key)
         item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs, background=policy.background)
         compat.install_compiled_call(

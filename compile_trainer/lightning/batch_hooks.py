@@ -20,34 +20,15 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Set
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
 
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy
 from compile_trainer.schema import PolicyError, ShapesPolicy
 from compile_trainer.shapes.batch import BatchShaper
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors, step_mode
 from compile_trainer.telemetry.compile_events import WARMUP_PHASE
+from compile_trainer.telemetry.throughput import preserved_training_state
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run steps that leave no trace: RNG streams, gradients and buffers are restored afterwards."""
-    grads = [(p, p.grad) for p in module.parameters()]
-    for parameter, _ in grads:
-        parameter.grad = None
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
-            yield
-    finally:
-        for parameter, grad in grads:
-            parameter.grad = grad
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 @contextlib.contextmanager

@@ -13,23 +13,17 @@ import contextlib
 import importlib
 import logging
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 
 from compile_trainer.compiling.regions import AppliedPolicy
+from compile_trainer.lightning.batch_hooks import logging_disabled
 from compile_trainer.schema import SettingsError, TelemetryConfig
 from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
-from compile_trainer.telemetry.throughput import (
-    ThroughputMeter,
-    device_peak_flops,
-    measure_step_flops,
-    meta_copy,
-    precision_dtype,
-)
+from compile_trainer.telemetry.throughput import ThroughputMeter, device_peak_flops, measure_step_flops, precision_dtype
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +58,8 @@ class FitTelemetry:
         self.samples_fn = resolve_callable(config.samples_fn, "samples_fn")
         self.compile: Optional[CompileTelemetry] = None
         self.throughput: Optional[ThroughputMeter] = None
-        self._meta_module: Optional[nn.Module] = None
         self._flops: Optional[float] = config.flops_per_step
+        self._count_flops_of: Optional[pl.LightningModule] = None  # at the next training batch
         self._steps = 0
         self._logged_steps = 0
         self._compiles_at_start = 0
@@ -73,13 +67,10 @@ class FitTelemetry:
     # -- hooks --------------------------------------------------------------------------------------
 
     def before_policy(self, pl_module: pl.LightningModule) -> None:
-        """Copy the module to the meta device before it is compiled, to count its FLOPs at the first batch."""
-        if self._flops is not None or not self.config.measure_flops or self._meta_module is not None:
-            return
-        try:
-            self._meta_module = meta_copy(pl_module)
-        except Exception as error:  # any module may hold something deepcopy refuses
-            log.warning("FLOPs per step not measured (%s); set telemetry.flops_per_step to get MFU", error)
+        """The model's first fit (its policy is about to be applied): count its FLOPs at the first training batch,
+        unless ``flops_per_step`` is given or ``measure_flops`` is off. A later fit of the same model keeps them."""
+        if self._flops is None and self.config.measure_flops:
+            self._count_flops_of = pl_module
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, applied: Optional[AppliedPolicy]) -> None:
         if self.compile is None:
@@ -115,8 +106,9 @@ class FitTelemetry:
     def on_train_batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         self.compile.ensure_installed()
         self.compile.phase, self.compile.step = "train", trainer.global_step
-        if self._meta_module is not None:
-            self._measure_flops(batch)
+        if self._count_flops_of is not None:
+            module, self._count_flops_of = self._count_flops_of, None
+            self._measure_flops(trainer, module, batch)
         self._compiles_at_start = self.compile.compile_count
         self.throughput.step_start()
 
@@ -148,13 +140,28 @@ class FitTelemetry:
 
     # -- measurements -------------------------------------------------------------------------------
 
-    def _measure_flops(self, batch: Any) -> None:
-        meta_module, self._meta_module = self._meta_module, None
+    def _measure_flops(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> None:
+        """FLOPs of one training step, counted on this batch before its step (``measure_step_flops``: one eager
+        forward and backward that leaves no trace), under the step's precision context with ``self.log`` muted."""
+        if not module.automatic_optimization:
+            log.warning(
+                "FLOPs per step not measured: manual optimization (training_step runs its own backward and optimizer "
+                "step, so it cannot run once more without effect); set telemetry.flops_per_step to get TFLOP/s and MFU"
+            )
+            return
         try:
-            self._flops = float(measure_step_flops(meta_module, batch)) or None
-        except Exception as error:  # data-dependent Python, manual optimization, ...
-            log.warning("FLOPs per step not measured (%s); set telemetry.flops_per_step to get MFU", error)
+            with logging_disabled(module), _train_step_context(trainer):
+                self._flops = float(measure_step_flops(module, batch)) or None
+        except Exception as error:  # out of memory, a training_step that cannot run twice, ...
+            log.warning(
+                "FLOPs per step not measured (%s: %s); set telemetry.flops_per_step to get TFLOP/s and MFU",
+                type(error).__name__,
+                str(error).strip().splitlines()[0] if str(error).strip() else "",
+            )
         self.throughput.flops_per_step = self._flops
+        if module.device.type == "cuda":  # the eager step's memory: neither kept cached nor reported as the fit's
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(module.device)
 
     def metrics(self) -> Dict[str, float]:
         """Series for the loggers: compile counts so far and throughput since the last call."""
@@ -241,6 +248,12 @@ class FitTelemetry:
         if summary["cudagraph_skips"]:
             lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
         return "\n".join(lines)
+
+
+def _train_step_context(trainer: pl.Trainer) -> ContextManager[None]:
+    """The training step's precision context (autocast under mixed precision), so the count runs as the step does."""
+    plugin = getattr(trainer, "precision_plugin", None)  # None: a stand-in (benchmarks/telemetry_overhead.py)
+    return plugin.train_step_context() if plugin is not None else contextlib.nullcontext()
 
 
 def _is_wandb(logger: Any) -> bool:

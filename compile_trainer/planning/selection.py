@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
+from compile_trainer.planning.structure import group_blocks
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError, Rule
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -27,10 +28,15 @@ class Region:
     module: nn.Module
     settings: CompileSettings
     rule_index: int
-    # "full"; "block" (a repeated block); "rest" (a non-repeated part of a regional rule); or "nested"
-    # (a module compiled whole whose repeated blocks, ``nested_blocks``, are nested compile regions)
+    # "full"; "block" (a repeated block); "rest" (a non-repeated part of a regional rule); "outer" (a module
+    # compiled whole around its block stack, which runs eagerly: ``breaks``); or "nested" (a module compiled
+    # whole whose repeated blocks, ``nested_blocks``, are nested compile regions)
     role: str
     nested_blocks: List[str] = field(default_factory=list)
+    # Modules inside an "outer" region that run eagerly (graph breaks); regions inside them are their own.
+    breaks: List[str] = field(default_factory=list)
+    # Blocks with equal keys share one compiled entry (``planning.structure``).
+    structure: str = ""
 
     @property
     def class_name(self) -> str:
@@ -50,11 +56,17 @@ class CompilePlan:
         return [region.name for region in self.regions]
 
     def enclosing_region(self, name: str) -> Optional[Region]:
-        return next((r for r in self.regions if _is_inside(name, r.name)), None)
+        """The region whose compiled code runs ``name``'s forward (a module behind an outer region's break
+        runs its own)."""
+        return next((r for r in self.regions if _is_inside(name, r.name) and not _behind_break(name, r)), None)
 
 
 def _is_inside(name: str, ancestor: str) -> bool:
     return ancestor == "" or name.startswith(ancestor + ".")
+
+
+def _behind_break(name: str, region: Region) -> bool:
+    return any(_is_inside(name, b) for b in region.breaks)
 
 
 @lru_cache(maxsize=256)
@@ -167,17 +179,56 @@ def _expand_rule(
     if rule.rest == "nested":
         blocks = [b for _, block_names in groups for b in block_names]
         return [(name, Region(name, module, settings, index, "nested", nested_blocks=blocks))]
+    modules = dict(module.named_modules(prefix=name))
+    block_names = [b for _, names in groups for b in names]
+    structure = group_blocks(module, [_relative(b, name) for b in block_names])
+    plan.notes.extend(structure.notes)
     items: List[Tuple[str, Optional[Region]]] = []
-    for _, block_names in groups:
-        blocks = dict(module.named_modules(prefix=name))
-        items += [(b, Region(b, blocks[b], settings, index, "block")) for b in block_names]
-    if rule.rest == "compile":
-        for rest_name, rest_module in _rest_roots(name, module, [c for c, _ in groups]):
-            if _has_state(rest_module):
-                items.append((rest_name, Region(rest_name, rest_module, settings, index, "rest")))
-            else:
-                plan.notes.append(f"{rest_name} ({type(rest_module).__name__}) has no parameters: left eager")
+    breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rule.rest == "outer" else None
+    if rule.rest == "outer" and breaks is None:
+        plan.notes.append(
+            f"{name} ({type(module).__name__}) loops over its blocks in its own forward, so it cannot be compiled "
+            "around them: its other parts are compiled as their own regions (rest: compile)"
+        )
+    if breaks:
+        items.append((name, Region(name, module, settings, index, "outer", breaks=breaks)))
+        items += [(b, None) for b in breaks]
+    for b in block_names:
+        items.append((b, Region(b, modules[b], settings, index, "block", structure=structure.keys[_relative(b, name)])))
+    if rule.rest in ("compile", "outer"):
+        roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
+        for root_name, root in roots:
+            items += _rest_regions(root_name, root, [c for c, _ in groups], settings, index, plan)
     return items
+
+
+def _rest_regions(name: str, module: nn.Module, containers: List[str], settings, index: int, plan: CompilePlan):
+    items = []
+    for rest_name, rest_module in _rest_roots(name, module, containers):
+        if _has_state(rest_module):
+            items.append((rest_name, Region(rest_name, rest_module, settings, index, "rest")))
+        else:
+            plan.notes.append(f"{rest_name} ({type(rest_module).__name__}) has no parameters: left eager")
+    return items
+
+
+def _outer_breaks(name: str, modules: Dict[str, nn.Module], containers: List[str]) -> Optional[List[str]]:
+    """Where a module compiled around its block stacks must break: at a ``Sequential`` stack (one call), else
+    at the module that loops over a ``ModuleList`` stack. None when that module is ``name`` itself."""
+    breaks = []
+    for container in containers:
+        parent = container.rsplit(".", 1)[0] if "." in container else ""
+        if isinstance(modules[container], nn.Sequential):
+            breaks.append(container)
+        elif parent != name and _is_inside(parent, name):
+            breaks.append(parent)
+        else:
+            return None
+    return sorted(set(breaks))
+
+
+def _relative(name: str, prefix: str) -> str:
+    return name[len(prefix) + 1 :] if prefix else name
 
 
 def _has_state(module: nn.Module) -> bool:

@@ -16,7 +16,7 @@ from compile_trainer.schema.settings import CompileSettings, SettingsOverrides, 
 from compile_trainer.schema.shapes import ShapesPolicy
 
 ACTIONS = ("full", "regional", "eager")
-REST_ACTIONS = ("eager", "compile", "nested")
+REST_ACTIONS = ("eager", "compile", "outer", "nested")
 OPTIMIZER_COMPILE = ("true", "false", "auto")
 OPTIMIZER_CANDIDATES = ("fused", "foreach", "compiled")
 
@@ -36,8 +36,11 @@ class Rule(SettingsOverrides):
     class_name: Optional[str] = None
     action: str = "full"
     # For ``regional``: what to do with the parts under the module that are not repeated blocks
-    # (embedding, final norm, head...): ``compile`` each as its own region, leave them ``eager``, or
-    # ``nested``: compile the module whole, with each repeated block marked as a nested compile region
+    # (embedding, final norm, head, the loss in the module's forward...): ``compile`` each part with
+    # parameters as its own region; ``outer``: compile the module whole around its block stack, which runs
+    # eagerly between (a graph break at the stack, or at the module that loops over it), its remaining
+    # parts as regions (``compile`` where the module loops over its blocks itself); leave them ``eager``;
+    # or ``nested``: compile the module whole, with each repeated block marked as a nested compile region
     # (``torch.compiler.nested_compile_region``) so that it is traced and compiled once and reused.
     rest: str = "eager"
 

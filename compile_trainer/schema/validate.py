@@ -58,12 +58,13 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
 
 
 def _check_background(where: str, policy: CompilePolicy) -> None:
-    nested = [index for index, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "nested"]
-    if nested:
-        raise PolicyError(
-            f"{where}: background: true with rest: nested (rule {nested[0]}) is not supported: compiling nested "
-            "regions on a background thread failed on an H100 (torch 2.11); use rest: compile, or background: false."
-        )
+    for index, rule in enumerate(policy.rules):
+        if rule.action == "regional" and rule.rest in ("nested", "outer"):
+            raise PolicyError(
+                f"{where}: background: true with rest: {rule.rest} (rule {index}) is not supported: the background "
+                "thread replays each region alone, and these regions run other regions inside them (nested: "
+                "compiling them on a thread failed on an H100, torch 2.11); use rest: compile, or background: false."
+            )
     if policy.shapes.warmup:
         raise PolicyError(
             f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "

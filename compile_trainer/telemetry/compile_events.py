@@ -33,7 +33,7 @@ from torch import nn
 from compile_trainer import compat
 from compile_trainer.compiling.regions import ENTRY_PREFIX, AppliedPolicy
 from compile_trainer.tables import text_table
-from compile_trainer.telemetry.fixes import suggest_fix
+from compile_trainer.telemetry.fixes import recompile_fix, suggest_fix
 
 log = logging.getLogger(__name__)
 
@@ -355,11 +355,18 @@ class CompileTelemetry:
             stats.grad_mode_variants += 1
         elif attempt > 0:
             reason = guard_text(getattr(metric, "recompile_reason", None)) or "unknown guard (no compilation metrics)"
+            if reason.startswith("GLOBAL_STATE changed: grad_mode"):
+                # Dynamo names one failed guard, of the graph it checked first: another grad mode's. The graph of
+                # this grad mode failed a guard it does not name.
+                reason = (
+                    "a guard of the graph for this grad mode failed; Dynamo names only another graph's "
+                    f"({reason}): TORCH_LOGS=recompiles_verbose shows every failed guard"
+                )
             record.recompile = not record.phase.startswith(WARMUP_PHASE)
             if record.recompile:
                 stats.recompiles += 1
                 stats.recompile_time_s += record.seconds
-                self._event("recompile", stats.label, record, reason)
+                self._event("recompile", stats.label, record, reason, fix=recompile_fix(reason, len(stats.modules)))
             self._check_limit(frame, attempt, stats, reason)
         for item in record.breaks:
             self._graph_break(stats, record, item)
@@ -439,7 +446,7 @@ class CompileTelemetry:
         if compat.is_recompile_limit(reason) or attempt >= limit:
             stats.limit_hits += 1
             guard = guard_text(getattr(metric, "recompile_reason", None)) or "unknown"
-            event = self._event("recompile_limit", label, where, guard, fix=suggest_fix("recompile", guard))
+            event = self._event("recompile_limit", label, where, guard, fix=recompile_fix(guard, len(stats.modules)))
             log.error(
                 "region %s hit recompile_limit=%d: Dynamo now runs it EAGERLY, without the compiled speed-up. "
                 "The guard that kept failing: %s. Fix: %s.",
@@ -474,7 +481,7 @@ class CompileTelemetry:
                 attempt,
                 limit,
                 reason,
-                suggest_fix("recompile", reason),
+                recompile_fix(reason, len(stats.modules)),
             )
 
     def _declared_functions(self) -> List[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 def suggest_fix(kind: str, reason: str) -> str:
     """Which knob fixes an event: a policy setting, a rule, or a change in the model's code."""
@@ -36,19 +38,48 @@ def suggest_fix(kind: str, reason: str) -> str:
             "give the module an `eager` rule so the break sits at a region boundary, or set `fullgraph: true` on "
             "its rule to get the full error at compile time"
         )
-    if "size mismatch" in text or "stride mismatch" in text or "<=" in text:
+    return recompile_fix(reason)
+
+
+# A guard on the region's own module (``L['self']`` / ``L['module']``: its attributes or parameters).
+MODULE_GUARD = re.compile(r"L\['(self|module)'\]|_modules\[|_parameters\[|_buffers\[")
+INPUT_SIZE = re.compile(r"size mismatch at index (\d+)")
+
+
+def recompile_fix(guard: str, shared_by: int = 1) -> str:
+    """The knob that fixes a recompile whose failed guard is ``guard``, for a region whose entry ``shared_by``
+    modules share."""
+    text = guard.lower()
+    if "layer_idx" in text or "layer_index" in text:
         return (
-            "shapes vary: mark the dimension dynamic (a mark_dynamic entry in the policy's shapes.dynamic, or "
-            "`dynamic: true`), or pad batches to a few bucket lengths (shapes.pad; see compile=dynamic and "
-            "compile=buckets); for a smaller last batch use drop_last=True"
+            "the blocks read their own index: a Hugging Face decoder does while it builds a KV cache, also in "
+            "training; set model.config.use_cache = False (or pass use_cache=False) so they share one graph"
         )
-    if "requires_grad" in text or "grad_mode" in text or "global_state" in text:
-        return "grad mode changed (e.g. validation runs under no_grad): one extra graph per mode, expected"
+    if MODULE_GUARD.search(guard):
+        if shared_by > 1:
+            return (
+                f"the {shared_by} modules sharing this compiled entry differ in what the guard reads; split the "
+                "group: give the differing blocks a rule of their own (`action: full`), or make the value a "
+                "tensor or a constant"
+            )
+        return "a value of the module changed between calls: keep it constant during training, or make it a tensor"
+    size = INPUT_SIZE.search(guard)
+    if size is not None and size.group(1) == "0":
+        return (
+            "the batch size changed (a smaller last batch, or another batch size in validation): drop_last=True "
+            "in the DataLoader, or mark dim 0 dynamic (shapes.dynamic: [{entry: ..., dim: 0}])"
+        )
+    if size is not None or "stride mismatch" in text or "<=" in text or ">=" in text:
+        return (
+            "the sequence length (or another size) varies: compile=dynamic (mark it dynamic from the first "
+            "compile) or compile=buckets (pad to a few lengths, one static graph each)"
+        )
     if "dtype mismatch" in text:
         return "inputs change dtype: keep one dtype (check autocast/precision settings)"
     if "device mismatch" in text:
         return "inputs change device: move every batch to the model's device before the compiled call"
     return (
         "a Python value the region depends on changed (an int/float argument, an attribute, a branch on data): "
-        "pass it as a tensor, give the module an `eager` rule, or raise `recompile_limit` if the variants are few"
+        "pass it as a tensor, or give the module an `eager` rule; if the variants are few and expected, raise "
+        "the policy's recompile_limit"
     )

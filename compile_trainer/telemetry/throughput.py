@@ -10,16 +10,18 @@ are read back lazily (``Event.query()``): timing adds no synchronization to a st
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import itertools
 import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
+
+from compile_trainer import compat
 
 BatchCounter = Callable[[Any], int]
 
@@ -207,43 +209,81 @@ class ThroughputMeter:
         }
 
 
-def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` on the meta device, made without copying any parameter or buffer data."""
-    memo: Dict[int, Any] = {}
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+@contextlib.contextmanager
+def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run steps that leave no trace: RNG streams, gradients and buffers are restored afterwards."""
+    grads = [(p, p.grad) for p in module.parameters()]
+    for parameter, _ in grads:
+        parameter.grad = None
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            yield
+    finally:
+        for parameter, grad in grads:
+            parameter.grad = grad
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
-def to_meta(batch: Any) -> Any:
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    return apply_to_collection(batch, torch.Tensor, lambda t: torch.empty_like(t, device="meta"))
+@contextlib.contextmanager
+def compiled_calls_set_aside(module: nn.Module) -> Iterator[None]:
+    """Every submodule runs its own eager ``forward``: the compiled calls installed on them (a policy's regions,
+    with their interceptors; ``module.compile()``) are taken off, and put back afterwards."""
+    calls = [(m, call) for m in module.modules() if (call := compat.compiled_call(m)) is not None]
+    for submodule, _ in calls:
+        compat.install_compiled_call(submodule, None)
+    try:
+        yield
+    finally:
+        for submodule, call in calls:
+            compat.install_compiled_call(submodule, call)
 
 
 def training_step_loss(module: nn.Module, batch: Any) -> Any:
-    """A LightningModule's ``training_step`` loss (``None`` where it returns none, e.g. manual optimization)."""
-    output = module.training_step(batch, 0)
-    return output["loss"] if isinstance(output, Mapping) else output
+    """A LightningModule's ``training_step`` loss (``None`` where it returns none), called as Lightning calls it."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    step = module.training_step
+    if is_param_in_hook_signature(step, "dataloader_iter", explicit=True):
+        raise ValueError("training_step takes a dataloader_iter: it cannot run once more on a given batch")
+    output = step(batch, 0) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else step(batch)
+    return output.get("loss") if isinstance(output, Mapping) else output
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
 
 
 def measure_step_flops(
-    meta_module: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] = training_step_loss
+    module: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] = training_step_loss
 ) -> int:
-    """FLOPs of one forward + backward of ``loss_fn(meta_module, batch)``, counted on the meta device.
+    """FLOPs of one forward + backward of ``loss_fn(module, batch)``, counted on the real module and batch.
 
-    ``meta_module`` comes from ``meta_copy`` (taken before any compilation); ``batch`` may live anywhere.
+    ``torch.utils.flop_counter.FlopCounterMode`` counts the ATen ops of one eager run: compiled calls set aside,
+    any other ``torch.compile`` under ``set_stance("force_eager")``. Real tensors, so models that read values
+    (``.item()``, data-dependent shapes: most Hugging Face and timm models) are counted too. The run leaves no
+    trace (``preserved_training_state``: gradients, buffers such as BatchNorm's running statistics, and the
+    RNG streams are restored), but costs one eager forward and backward: its time, and the memory of an eager
+    step. Raises ``ValueError`` when ``loss_fn`` returns no tensor to differentiate.
     """
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
-    with warnings.catch_warnings(), torch.compiler.set_stance("force_eager"):
-        warnings.simplefilter("ignore")  # e.g. self.log() without a Trainer
-        with counter:
-            loss = loss_fn(meta_module, to_meta(batch))
-            if isinstance(loss, torch.Tensor) and loss.requires_grad:
-                loss.backward()
+    with (
+        preserved_training_state(module, _device_of(module)),
+        compiled_calls_set_aside(module),
+        torch.compiler.set_stance("force_eager"),
+        torch.enable_grad(),
+        counter,
+    ):
+        loss = loss_fn(module, batch)
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+            raise ValueError(f"the step returned no loss to differentiate (got {type(loss).__name__})")
+        loss.backward()
     return int(counter.get_total_flops())
 
 
@@ -259,15 +299,55 @@ def precision_dtype(precision: str) -> torch.dtype:
     return torch.float32
 
 
+# Dense peak TFLOP/s (no 2:4 sparsity: datasheets print the sparse figure, twice these) by matmul dtype.
+# H100 SXM5 / PCIe: NVIDIA H100 Tensor Core GPU Architecture whitepaper (dense columns), bf16/fp16 989.4 / 756,
+# tf32 494.7 / 378, fp32 66.9 / 51.2. H100 NVL (one 94 GB card) and H200 NVL: H100 and H200 datasheets,
+# bf16/fp16 1,671 and tf32 835 sparse, fp32 60 TFLOP/s. H200 (SXM, also GH200): the H200 datasheet, same
+# figures as the H100 SXM (1,979 bf16 and 989 tf32 sparse, fp32 67). A100 (SXM and PCIe, 40 and 80 GB): the
+# A100 datasheet, bf16/fp16 312, tf32 156, fp32 19.5. Looked up in this order, by substring of the device name.
+# Lightning's table has H100 SXM, PCIe and A100 with these figures, but no match for "NVIDIA H200" and,
+# for "NVIDIA H100 NVL", the figure of the two-card NVL pair (1,978.8 bf16): these rows come first.
+_PEAK_TFLOPS: Tuple[Tuple[str, Dict[str, float]], ...] = (
+    ("h200 nvl", {"16-bit": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("h200", {"16-bit": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("h100 nvl", {"16-bit": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("h100 pcie", {"16-bit": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    ("h100", {"16-bit": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("a100", {"16-bit": 312.0, "tf32": 156.0, "fp32": 19.5}),
+)
+
+
+def table_peak_flops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> Optional[float]:
+    """Peak FLOP/s of a known GPU (H100, H200, A100) from its name (``torch.cuda.get_device_name``) and the
+    matmul dtype; ``tf32``: float32 matmuls run on TF32 tensor cores. ``None`` for any other device or dtype,
+    and for a MIG slice (a fraction of the GPU)."""
+    name = device_name.lower()
+    column = {torch.bfloat16: "16-bit", torch.float16: "16-bit"}.get(dtype)
+    if dtype is torch.float32:
+        column = "tf32" if tf32 else "fp32"
+    if column is None or "mig" in name.split():
+        return None
+    for key, peaks in _PEAK_TFLOPS:
+        if key in name:
+            return float(round(peaks[column] * 1e12))
+    return None
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype, peak_tflops: Optional[float]) -> Optional[float]:
-    """``peak_tflops`` if given, else Lightning's table for CUDA devices (which lacks some, e.g. H200)."""
+    """The device's peak FLOP/s for MFU: ``peak_tflops`` if given, else ``table_peak_flops`` (H100, H200,
+    A100), else Lightning's table for other CUDA devices; ``None`` where unknown (and on the CPU)."""
     if peak_tflops:
         return float(peak_tflops) * 1e12
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return None
+    tf32 = torch.get_float32_matmul_precision() != "highest"  # as Lightning decides it
+    known = table_peak_flops(torch.cuda.get_device_name(device), dtype, tf32=tf32)
+    if known is not None:
+        return known
     from lightning.fabric.utilities.throughput import get_available_flops
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        flops = get_available_flops(torch.device(device), dtype)
+        flops = get_available_flops(device, dtype)
     return float(flops) if flops else None

@@ -1,0 +1,759 @@
+"""Real models: eager vs torch.compile vs accelerate's compile_regions vs the bundled policies, side by side.
+
+Four models off the shelf, random weights, each trained for a few steps under every variant: HF Llama
+(LlamaForCausalLM: vocab 32000, hidden 1024, intermediate 2816, 16 layers, 16 heads / 8 KV heads; batch 8 x 1024
+tokens), HF GPT-2 small (GPT2LMHeadModel; batch 8 x 1024 tokens), ViT-B/16 and ResNet-50 (timm, or transformers'
+ViT/ResNet where timm is not installed; batch 64 x 3 x 224 x 224, cross-entropy on random labels inside a wrapper
+module, so the loss is part of the model). bf16 autocast, fused AdamW. Each variant runs in a fresh process with
+empty Inductor/Triton caches (``--isolation variant``), so its first step shows the cold compile a user pays.
+
+GPU run, split in two commands that each fit in 10 minutes (``--append`` merges the second into the first's file):
+
+    python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
+    python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
+
+CPU smoke run (tiny configs of the same families, aot_eager backend, all in one process), as the tests run it:
+
+    python benchmarks/real_models.py --smoke --out /tmp/real_models.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (  # noqa: E402
+    StepTimer,
+    environment,
+    format_table,
+    peak_flops,
+    synchronize,
+    timed,
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model's batch: ``batch`` sequences of ``size`` tokens, or ``batch`` images of ``size`` x ``size``."""
+
+    family: str  # "lm" or "vision"
+    batch: int
+    size: int
+    unit: str
+
+
+MODELS = {
+    "llama": ModelSpec("lm", 8, 1024, "tokens"),
+    "gpt2": ModelSpec("lm", 8, 1024, "tokens"),
+    "vit": ModelSpec("vision", 64, 224, "images"),
+    "resnet50": ModelSpec("vision", 64, 224, "images"),
+}
+# For the time estimate only: seconds of a cold first step on an H100 (torch 2.11). Measured there on 2026-11-23
+# (--isolation run, so a little warm): llama reduce-overhead 51 s, regional 12 s; vit reduce-overhead 26 s,
+# compile_regions 22 s, regional 7 s. The rest are guesses; "policy" is any policy (nested ones x 1.5). Each worker
+# process adds PROCESS_GUESS_S: imports, CUDA, the model, the FLOP count, the timed steps.
+COMPILE_GUESS = {
+    "llama": {"torch_compile": 48, "torch_compile_reduce_overhead": 52, "compile_regions": 14, "policy": 12},
+    "gpt2": {"torch_compile": 28, "torch_compile_reduce_overhead": 31, "compile_regions": 11, "policy": 12},
+    "vit": {"torch_compile": 24, "torch_compile_reduce_overhead": 26, "compile_regions": 22, "policy": 7},
+    "resnet50": {"torch_compile": 40, "torch_compile_reduce_overhead": 45, "compile_regions": 40, "policy": 20},
+}
+PROCESS_GUESS_S = 15
+SMOKE_BATCH = {"lm": (2, 32), "vision": (2, 32)}
+
+PEERS = {
+    "eager": "none",
+    "torch_compile": "torch.compile(model)",
+    "torch_compile_reduce_overhead": "torch.compile(model, mode='reduce-overhead')",
+    "compile_regions": "accelerate.utils.compile_regions(model)",
+}
+FULL_COMPILES = ("torch_compile", "torch_compile_reduce_overhead")
+POLICY_PREFIX = "policy_"
+DEFAULT_POLICIES = ["regional", "regional_split", "regional_nested"]
+SMOKE_VARIANTS = ["eager", "torch_compile", "compile_regions"]
+SMOKE_POLICIES = ["regional", "regional_nested"]
+# What a reader of a model's rows should know, added to the notes when the model runs.
+CACHE_NOTE = (
+    "{model}: built with use_cache=False, as the regional plan advises: with a KV cache (the config's default) each "
+    "decoder layer reads its layer_idx, in training too, and gets a compiled graph of its own"
+)
+MODEL_NOTES = {
+    "llama": CACHE_NOTE.format(model="llama"),
+    "gpt2": CACHE_NOTE.format(model="gpt2") + "; GPT2LMHeadModel has no loss_type its loss_function knows, so each "
+    "call logs a warning_once, which Dynamo does not trace: a graph break where the loss is compiled with the model "
+    "(the policies have Dynamo drop that call)",
+}
+TIMM_NOTE = (
+    "accelerate's compile_regions looks for repeated blocks in ModuleLists only; timm's ViT and ResNet hold theirs "
+    "in nn.Sequential, so on them it compiles the whole model"
+)
+LOSSES_COMPARED = 5  # the first steps' losses compared with eager's
+
+
+def describe(variant: str) -> str:
+    if variant in PEERS:
+        return PEERS[variant]
+    return f"apply_policy(model, to_policy({variant[len(POLICY_PREFIX) :]!r}))"
+
+
+# -- the models ----------------------------------------------------------------------------------------------
+
+
+class WithLoss(nn.Module):
+    """A classifier whose forward returns the cross-entropy of its logits, so the loss is part of the model."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.net(pixel_values)
+        if not isinstance(logits, torch.Tensor):  # transformers' ImageClassifierOutput
+            logits = logits.logits
+        return nn.functional.cross_entropy(logits.float(), labels)
+
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
+    """The model (random weights, dropout off so every variant computes the same losses), where it comes from,
+    and its number of classes or vocabulary size."""
+    import transformers
+
+    if name == "llama":
+        sizes = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
+        sizes |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+        if smoke:
+            sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+            sizes |= dict(num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+        config = transformers.LlamaConfig(**sizes, use_cache=False)
+        return transformers.LlamaForCausalLM(config), "transformers LlamaForCausalLM", config.vocab_size
+    if name == "gpt2":
+        sizes = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
+        if smoke:
+            sizes = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64)
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(**sizes, **no_dropout, use_cache=False)
+        return transformers.GPT2LMHeadModel(config), "transformers GPT2LMHeadModel", config.vocab_size
+    classes = 10 if smoke else 1000
+    if has_module("timm"):
+        import timm
+
+        if name == "vit":
+            tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2) if smoke else {}
+            net = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=classes, **tiny)
+            return WithLoss(net), "timm vit_base_patch16_224", classes
+        tiny = dict(layers=(2, 2, 2, 2)) if smoke else {}
+        net = timm.create_model("resnet50", pretrained=False, num_classes=classes, **tiny)
+        return WithLoss(net), "timm resnet50", classes
+    if name == "vit":  # transformers' defaults are ViT-B/16 at 224
+        tiny = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+        tiny |= dict(intermediate_size=64)
+        config = transformers.ViTConfig(**(tiny if smoke else {}), num_labels=classes)
+        return (
+            WithLoss(transformers.ViTForImageClassification(config)),
+            "transformers ViTForImageClassification",
+            classes,
+        )
+    tiny = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2]) if smoke else {}  # defaults: ResNet-50
+    config = transformers.ResNetConfig(**tiny, layer_type="bottleneck", num_labels=classes)
+    return (
+        WithLoss(transformers.ResNetForImageClassification(config)),
+        "transformers ResNetForImageClassification",
+        classes,
+    )
+
+
+def make_batches(name: str, smoke: bool, size: int, count: int, device: torch.device) -> Tuple[List[Any], int]:
+    """``count`` batches of random data (the same in every process), and the tokens or images in one batch."""
+    spec = MODELS[name]
+    batch, length = SMOKE_BATCH[spec.family] if smoke else (spec.batch, spec.size)
+    generator = torch.Generator().manual_seed(1)
+    if spec.family == "lm":
+        batches = [torch.randint(size, (batch, length), generator=generator) for _ in range(count)]
+        return [b.to(device) for b in batches], batch * length
+    batches = []
+    for _ in range(count):
+        images = torch.randn(batch, 3, length, length, generator=generator)
+        batches.append((images.to(device), torch.randint(size, (batch,), generator=generator).to(device)))
+    return batches, batch
+
+
+def loss_of(family: str, run: Callable[..., Any], batch: Any) -> torch.Tensor:
+    if family == "lm":
+        return run(input_ids=batch, labels=batch).loss  # transformers shifts the labels
+    return run(*batch)
+
+
+def count_flops(family: str, model: nn.Module, batch: Any, autocast: bool) -> int:
+    """FLOPs of one eager forward and backward (matmuls, convolutions, attention), counted once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=grouped_query_attention_formulas())
+    with counter, torch.autocast(_device_type(batch), dtype=torch.bfloat16, enabled=autocast):
+        loss_of(family, model, batch).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def grouped_query_attention_formulas() -> Dict[Any, Callable[..., int]]:
+    """FlopCounterMode's attention formulas, for keys and values with fewer heads than the query (Llama's 8 KV heads
+    for 16): counted as if repeated to the query's heads, which is what the kernels compute. torch < 2.13's own
+    formulas assert equal heads (seen on torch 2.11); on later ones this gives the same count as theirs."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    layouts = {  # op: (index of the query among its arguments, dimension of the heads)
+        aten._scaled_dot_product_efficient_attention: (0, 1),
+        aten._scaled_dot_product_flash_attention: (0, 1),
+        aten._scaled_dot_product_cudnn_attention: (0, 1),
+        aten._scaled_dot_product_efficient_attention_backward: (1, 1),
+        aten._scaled_dot_product_flash_attention_backward: (1, 1),
+        aten._scaled_dot_product_cudnn_attention_backward: (1, 1),
+        aten._flash_attention_forward: (0, 2),
+        aten._efficient_attention_forward: (0, 2),
+        aten._flash_attention_backward: (1, 2),
+        aten._efficient_attention_backward: (1, 2),
+    }
+
+    def repeated_heads(original: Callable[..., int], query_at: int, heads: int) -> Callable[..., int]:
+        def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            args_list = list(args)
+            query = args_list[query_at]
+            for index in (query_at + 1, query_at + 2):  # key, value
+                tensor = args_list[index]
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[heads] != query.shape[heads]:
+                    shape = list(tensor.shape)
+                    shape[heads] = query.shape[heads]
+                    args_list[index] = torch.empty(shape, device="meta")  # the formulas read its shape
+            return original(*args_list, out_val=out_val, **kwargs)
+
+        formula._get_raw = True  # type: ignore[attr-defined]  # called with the op's arguments, not their shapes
+        return formula
+
+    return {
+        op: repeated_heads(flop_registry[op], query_at, heads)
+        for op, (query_at, heads) in layouts.items()
+        if op in flop_registry
+    }
+
+
+def _device_type(batch: Any) -> str:
+    return (batch if isinstance(batch, torch.Tensor) else batch[0]).device.type
+
+
+# -- one variant, in a worker process ------------------------------------------------------------------------
+
+
+def prepare(
+    variant: str, model: nn.Module, args: argparse.Namespace
+) -> Tuple[Callable[..., Any], Any, bool, List[str]]:
+    """Compile ``model`` as the variant says: the callable a step runs, the applied policy (None for the peers),
+    whether each step must mark a CUDA-graph step for torch.compile itself, and notes."""
+    backend = args.backend or "inductor"
+    if variant == "eager":
+        return model, None, False, []
+    if variant == "torch_compile":
+        return torch.compile(model, backend=backend), None, False, []
+    if variant == "torch_compile_reduce_overhead":
+        if backend != "inductor":  # torch.compile takes a mode only with Inductor
+            return torch.compile(model, backend=backend), None, False, [f"mode dropped: backend {backend}"]
+        return torch.compile(model, mode="reduce-overhead"), None, True, []
+    if variant == "compile_regions":
+        from accelerate.utils import compile_regions
+
+        return compile_regions(model, backend=backend), None, False, []
+    from compile_trainer import apply_policy, to_policy
+
+    name = variant[len(POLICY_PREFIX) :]
+    policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
+    holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
+    applied = apply_policy(holder, policy)
+    return model, applied, False, list(applied.notes)
+
+
+def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[str, Any]) -> Dict[str, Any]:
+    """Train ``args.warmup + args.steps`` steps of model ``name`` under ``variant``; return what was measured.
+    ``state`` carries the FLOP count from one variant to the next within a process."""
+    from compile_trainer.telemetry.compile_events import CompileTelemetry
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    with device:  # initialized where it trains: on the GPU, seconds faster than on the host
+        model, source, size = build_model(name, args.smoke)
+    model.to(device).train()
+    batches, items = make_batches(name, args.smoke, size, 4, device)
+    if args.channels_last and spec.family == "vision":
+        model.to(memory_format=torch.channels_last)
+        batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
+    if "flops" not in state:
+        try:
+            state["flops"] = count_flops(spec.family, model, batches[0], autocast=device.type == "cuda")
+        except Exception as error:  # no MFU, but the variant's other numbers
+            state["flops"], state["flops_error"] = None, f"FLOPs not counted: {type(error).__name__}: {error}"[:300]
+    flops = state["flops"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    run, applied, mark_step, notes = prepare(variant, model, args)  # compiles nothing yet: that is lazy
+    telemetry = CompileTelemetry(applied).install()  # attributes a policy's compiles to its regions
+    try:
+        result = measure(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry)
+    finally:
+        telemetry.uninstall()
+        if applied is not None:
+            applied.remove()  # and the process-wide settings it changed (the recompile limit)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
+    step_s, window_s = result.pop("step_s"), result.pop("window_s")
+    return {"source": source, **result} | {
+        "items_per_s": items * args.steps / window_s,
+        "unit": spec.unit,
+        "flops_per_step": flops,
+        "tflops": flops / step_s / 1e12 if flops else None,
+        "mfu": flops / step_s / peak if flops and peak else None,
+        "notes": notes + ([state["flops_error"]] if "flops_error" in state else []),
+    }
+
+
+def measure(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry) -> Dict[str, Any]:
+    """The first step (timed alone), the warm-up, the timed steps; what the compiler did meanwhile."""
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    autocast = device.type == "cuda"
+    losses: List[torch.Tensor] = []
+
+    def step(index: int) -> None:
+        if applied is not None:
+            applied.begin_step()  # with CUDA graphs: one step's regions share one CUDA-graph step
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(spec.family, run, batches[index % len(batches)])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if len(losses) < LOSSES_COMPARED:
+            losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first_step = timed(device, lambda: step(0))
+    for index in range(1, args.warmup):
+        step(index)
+    timer = StepTimer(device)
+    synchronize(device)
+    window_start = time.perf_counter()
+    for index in range(args.warmup, args.warmup + args.steps):
+        started = timer.start()
+        step(index)
+        timer.stop(started)
+    synchronize(device)
+    window = time.perf_counter() - window_start
+    telemetry.collect()
+    totals = telemetry.totals()
+    return {
+        "first_step_s": first_step,
+        "step_ms": timer.median() * 1e3,
+        "step_s": timer.median(),
+        "slowest_step_ms": max(timer.seconds()) * 1e3,
+        "window_s": window,
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "graphs": counters["stats"]["unique_graphs"],
+        "recompiles": totals["recompiles"],
+        "grad_mode_variants": totals["grad_mode_variants"],
+        "graph_breaks": totals["graph_breaks"],
+        "cudagraph_skips": totals["cudagraph_skips"],
+        "compile_s": totals["compile_time_s"],
+        "recompile_reasons": [
+            f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
+            for m in get_compilation_metrics()
+            if not str(m.compile_id).endswith("/0")
+        ][:10],
+        "losses": [float(loss) for loss in losses],
+    }
+
+
+def fresh_compiler_state() -> Any:
+    """Forget everything compiled in this process (Dynamo's caches, counters and metrics, CUDA-graph trees) and
+    return a context with empty Inductor/Triton caches, on disk and in memory."""
+    import torch._inductor.utils as inductor_utils
+    from torch._dynamo.utils import clear_compilation_metrics, counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    return fresh()
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Run ``args.worker_runs`` (``model:variant``) one after the other, the compiler's state and caches reset
+    before each; write each one's result as soon as it is done."""
+    if torch.cuda.is_available() and not args.smoke:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    results: Dict[str, Dict[str, Any]] = {}
+    states: Dict[str, Dict[str, Any]] = {}  # per model: its FLOP count
+    for run in args.worker_runs:
+        name, variant = run.split(":")
+        try:
+            with fresh_compiler_state():
+                results[run] = run_variant(name, variant, args, states.setdefault(name, {}))
+        except Exception as error:  # one variant's failure is its row, not the end of the run
+            message = f"{type(error).__name__}: {error}".strip()[:400]
+            results[run] = {"error": message, "traceback": traceback.format_exc()}
+        args.worker_out.write_text(json.dumps(results))
+
+
+# -- the run: workers, budget, summary -----------------------------------------------------------------------
+
+
+def precheck(variant: str) -> Optional[str]:
+    """Why ``variant`` cannot run here (checked without starting a worker), or None."""
+    if variant == "compile_regions" and not has_module("accelerate"):
+        return "accelerate not installed"
+    if variant.startswith(POLICY_PREFIX):
+        from compile_trainer.schema.load import bundled_policy_names
+
+        name = variant[len(POLICY_PREFIX) :]
+        if name not in bundled_policy_names():
+            return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
+        if not has_module("omegaconf"):
+            return "omegaconf not installed (compile_trainer.to_policy needs it)"
+    return None
+
+
+def guess_seconds(name: str, variant: str) -> float:
+    if variant == "eager":
+        return 0.0
+    if variant.startswith(POLICY_PREFIX):
+        return COMPILE_GUESS[name]["policy"] * (1.5 if variant.endswith("nested") else 1.0)
+    return COMPILE_GUESS[name][variant]
+
+
+def worker_groups(runs: List[Tuple[str, str]], isolation: str) -> List[List[Tuple[str, str]]]:
+    """The runs each worker process does: one per process, the runs of one model, or all of them."""
+    if isolation == "variant":
+        return [[run] for run in runs]
+    if isolation == "model":
+        models = list(dict.fromkeys(name for name, _ in runs))
+        return [[run for run in runs if run[0] == name] for name in models]
+    return [runs] if runs else []
+
+
+def estimate(runs: List[Tuple[str, str]], isolation: str) -> Dict[str, float]:
+    """Guessed wall seconds per model on an H100 (for planning a 10-minute command; not a measurement)."""
+    per_model: Dict[str, float] = {}
+    for group in worker_groups(runs, isolation):
+        for index, (name, variant) in enumerate(group):
+            start = PROCESS_GUESS_S if index == 0 else 5  # a new process, or the model built again
+            per_model[name] = per_model.get(name, 0.0) + start + guess_seconds(name, variant)
+    return per_model
+
+
+def split_commands(per_model: Dict[str, float], budget: float) -> List[List[str]]:
+    """Models grouped, in order, into commands of at most ``budget`` guessed seconds each."""
+    groups: List[List[str]] = [[]]
+    used = 0.0
+    for name, seconds in per_model.items():
+        if groups[-1] and used + seconds > budget:
+            groups.append([])
+            used = 0.0
+        groups[-1].append(name)
+        used += seconds
+    return groups
+
+
+def run_worker_process(
+    runs: List[Tuple[str, str]], args: argparse.Namespace, timeout: float
+) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    """``runs`` in one fresh process with empty compile caches (emptied again before each run)."""
+    keys = [f"{name}:{variant}" for name, variant in runs]
+    with tempfile.TemporaryDirectory() as cache:
+        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        out = Path(cache) / "result.json"
+        command = [sys.executable, __file__, "--worker-out", str(out), "--worker-runs", *keys, *args.passthrough]
+        command.append(f"--variant-timeout={int(timeout)}")
+        error = None
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+            if proc.returncode != 0:
+                append_log(args, f"{' '.join(keys)}: exit code {proc.returncode}", proc.stdout + proc.stderr)
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                error = f"exit code {proc.returncode} | " + " | ".join(tail)[-300:]
+        except subprocess.TimeoutExpired as expired:
+            tail = (expired.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
+            error = f"timed out after {int(timeout)} s | " + " | ".join(tail)[-300:]
+        results = json.loads(out.read_text()) if out.exists() else {}
+        for key, result in results.items():
+            if "traceback" in result:
+                append_log(args, key, result.pop("traceback"))
+                result["log"] = log_path(args).name
+        return {run: results.get(key) or {"error": error or "no result"} for run, key in zip(runs, keys)}
+
+
+def log_path(args: argparse.Namespace) -> Path:
+    return args.out.with_name(f"{args.out.stem}.errors.log")
+
+
+def append_log(args: argparse.Namespace, heading: str, text: str) -> None:
+    """Keep a failure's traceback or output in one file beside ``--out`` (one file, whatever fails)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with log_path(args).open("a") as log:
+        log.write(f"==== {heading} ({time.strftime('%H:%M:%S')})\n{text.rstrip()}\n\n")
+
+
+def rel_diff(losses: List[float], reference: List[float]) -> Optional[float]:
+    pairs = list(zip(losses, reference))
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs) if pairs else None
+
+
+def summarize(results: Dict[Tuple[str, str], Dict[str, Any]], order: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
+    """One row per (model, variant) in ``order``, with ratios against eager and the best full compile of the same
+    model: ``torch.compile(model)`` in its default mode or with reduce-overhead, whichever ran faster."""
+    rows = []
+    for name, variant in order:
+        result = results[(name, variant)]
+        row: Dict[str, Any] = {"model": name, "variant": variant, "compiled": describe(variant)}
+        if "error" in result:
+            rows.append(row | {k: v for k, v in result.items() if k in ("error", "log", "source")})
+            continue
+        row |= {k: v for k, v in result.items() if k not in ("losses", "notes")}
+        eager = results.get((name, "eager"), {})
+        fulls = [(v, results.get((name, v), {})) for v in FULL_COMPILES]
+        fulls = [(v, f) for v, f in fulls if "items_per_s" in f]
+        best_name, best = max(fulls, key=lambda item: item[1]["items_per_s"]) if fulls else (None, None)
+        if "items_per_s" in eager:
+            row["speedup_vs_eager"] = result["items_per_s"] / eager["items_per_s"]
+            row["loss_rel_diff_vs_eager"] = rel_diff(result["losses"], eager["losses"])
+        if best is not None:
+            row["full_compile"] = best_name
+            row["throughput_vs_full"] = result["items_per_s"] / best["items_per_s"]
+            row["first_step_vs_full"] = result["first_step_s"] / best["first_step_s"]
+        row["first_losses"] = result["losses"]
+        row["notes"] = result.get("notes") or None
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [
+    "model",
+    "variant",
+    "first_step_s",
+    "compile_s",
+    "step_ms",
+    "items_per_s",
+    "unit",
+    "speedup_vs_eager",
+    "throughput_vs_full",
+    "first_step_vs_full",
+    "full_compile",
+    "graphs",
+    "recompiles",
+    "graph_breaks",
+    "tflops",
+    "mfu",
+    "peak_mem_gib",
+    "loss_rel_diff_vs_eager",
+    "error",
+]
+# Row fields summarize() derives from the results; --append recomputes them.
+DERIVED = ("model", "variant", "compiled", "speedup_vs_eager", "loss_rel_diff_vs_eager", "full_compile")
+DERIVED += ("throughput_vs_full", "first_step_vs_full", "first_losses")
+TABLE_COLUMNS = [c for c in COLUMNS if c not in ("unit", "full_compile", "tflops")]
+
+
+def batch_text(name: str, smoke: bool) -> str:
+    spec = MODELS[name]
+    batch, size = SMOKE_BATCH[spec.family] if smoke else (spec.batch, spec.size)
+    return f"{batch} x {size} tokens" if spec.family == "lm" else f"{batch} images of 3 x {size} x {size}"
+
+
+def versions() -> Dict[str, Optional[str]]:
+    """The installed versions of the model libraries (read from their metadata, without importing them)."""
+    found = {}
+    for name in ("transformers", "timm", "accelerate", "lightning"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def write(path: Path, rows: List[Dict[str, Any]], notes: List[str], meta: Dict[str, Any]) -> None:
+    result = {
+        "benchmark": "real_models",
+        "title": "Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies",
+        "meta": meta,
+        "columns": COLUMNS,
+        "rows": rows,
+        "notes": notes,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_models.json")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--variants", nargs="*", choices=list(PEERS), help="the peers to run (default: all)")
+    parser.add_argument(
+        "--policies", nargs="*", help=f"bundled policies to run, each as policy_<name> (default: {DEFAULT_POLICIES})"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="timed steady-state steps")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
+    parser.add_argument("--backend", help="compile backend of every variant (default: inductor; the policies' own)")
+    parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s for MFU (default: 989.4 on H100/H200)")
+    parser.add_argument("--channels-last", action="store_true", help="vision models and images in channels_last")
+    parser.add_argument(
+        "--isolation",
+        choices=["variant", "model", "run"],
+        help="a fresh process per variant (default; the honest cold start), or one per model, or one for the whole "
+        "run (default with --smoke), with Dynamo reset and empty Inductor/Triton caches before each variant (faster; "
+        "a first step then misses what a process compiles or loads once: imports, kernels of the runtime, CUDA)",
+    )
+    parser.add_argument("--variant-timeout", type=int, default=150, help="seconds per variant")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=540,
+        help="wall seconds for the whole run: variants that would start past it are error rows, not a killed command",
+    )
+    parser.add_argument("--append", action="store_true", help="keep --out's rows of (model, variant)s not run now")
+    parser.add_argument("--estimate", action="store_true", help="print the time estimate and exit")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, aot_eager, few steps")
+    parser.add_argument("--worker-runs", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup = min(args.steps, 3), 2
+        args.backend = args.backend or "aot_eager"
+        args.isolation = args.isolation or "run"
+        args.variants = SMOKE_VARIANTS if args.variants is None else args.variants
+        args.policies = SMOKE_POLICIES if args.policies is None else args.policies
+    args.isolation = args.isolation or "variant"
+    args.variants = list(PEERS) if args.variants is None else args.variants
+    args.policies = DEFAULT_POLICIES if args.policies is None else args.policies
+    if args.worker_runs:
+        faulthandler.enable(all_threads=True)  # a crash or a hang shows every thread's Python stack
+        faulthandler.dump_traceback_later(max(args.variant_timeout - 10, 5), exit=True)
+        run_worker(args)
+        return
+
+    variants = args.variants + [POLICY_PREFIX + p for p in args.policies]
+    requested = [(name, variant) for name in args.models for variant in variants]
+    why_not = {variant: precheck(variant) for variant in variants}
+    runs = [(name, variant) for name, variant in requested if why_not[variant] is None]
+    per_model = estimate(runs, args.isolation)
+    guessed = sum(per_model.values())
+    each = ", ".join(f"{name} ~{seconds:.0f} s" for name, seconds in per_model.items())
+    print(
+        f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; ~{guessed:.0f} s in all, "
+        f"budget {args.budget_s:.0f} s",
+        flush=True,
+    )
+    if guessed > args.budget_s and not args.smoke:
+        print("over budget: split it, e.g.", flush=True)
+        for index, group in enumerate(split_commands(per_model, args.budget_s)):
+            append = " --append" if index else ""  # the first command starts the file, the others add to it
+            print(f"  python benchmarks/real_models.py --models {' '.join(group)}{append} --out {args.out}")
+    if args.estimate:
+        return
+    args.passthrough = [f"--steps={args.steps}", f"--warmup={args.warmup}"]
+    args.passthrough += [f"--backend={args.backend}"] if args.backend else []
+    args.passthrough += [f"--peak-tflops={args.peak_tflops}"] if args.peak_tflops else []
+    args.passthrough += [flag for flag, on in (("--smoke", args.smoke), ("--channels-last", args.channels_last)) if on]
+
+    meta = environment() | versions() | {"isolation": args.isolation}
+    results: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    order: List[Tuple[str, str]] = []
+    old: Dict[str, Any] = {"notes": []}
+    if args.append and args.out.exists():
+        old = json.loads(args.out.read_text())
+        meta["command"] = f"{old['meta'].get('command')} && {meta['command']}"
+        if old["meta"].get("isolation") not in (None, args.isolation):
+            meta["isolation"] = f"{old['meta']['isolation']} + {args.isolation}"
+        for row in old["rows"]:  # kept unless run again; ratios are recomputed with this run's rows
+            if (row["model"], row["variant"]) not in requested:
+                kept = {k: v for k, v in row.items() if k not in DERIVED}
+                results[(row["model"], row["variant"])] = kept | {"losses": row.get("first_losses") or []}
+                order.append((row["model"], row["variant"]))
+    order += requested
+    results.update({run: {"error": why_not[run[1]]} for run in requested if why_not[run[1]] is not None})
+    isolated = {
+        "variant": "a fresh process with empty Inductor/Triton caches per variant",
+        "model": "one process per model",
+        "run": "one process for the whole run",
+    }[args.isolation]
+    if args.isolation != "variant":
+        isolated += ", Dynamo reset and empty Inductor/Triton caches before each variant"
+    notes = [f"{m}: {batch_text(m, args.smoke)} a step" for m in args.models]
+    notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
+    if has_module("timm") and {"vit", "resnet50"} & set(args.models) and "compile_regions" in variants:
+        notes.append(TIMM_NOTE)
+    notes += [
+        f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "
+        f"steps, the first of them timed alone (first_step_s); backend {args.backend or 'inductor'}; {isolated}",
+        "random weights, random data, dropout off; bf16 autocast and fused AdamW on the GPU (fp32 on the CPU); "
+        "first_step_vs_full and throughput_vs_full: against full_compile, the faster of torch_compile and "
+        "torch_compile_reduce_overhead on the same model in the same run; loss_rel_diff_vs_eager: the largest "
+        f"relative difference of the first {LOSSES_COMPARED} losses; MFU from FlopCounterMode's count of one eager "
+        "forward and backward",
+    ]
+    notes = old["notes"] + [note for note in notes if note not in old["notes"]]  # --append: both runs' notes
+    started = time.perf_counter()
+    skipped: List[Tuple[str, str]] = []
+    for group in worker_groups(runs, args.isolation):
+        left = args.budget_s - (time.perf_counter() - started)
+        if left < PROCESS_GUESS_S + guess_seconds(*group[0]):  # it would likely time out: leave it to another command
+            why = f"skipped: not enough of the run's --budget-s {args.budget_s:.0f} s left; run it in another command"
+            results.update({run: {"error": why} for run in group})
+            skipped += group
+            continue
+        timeout = min(args.variant_timeout * len(group), left)
+        for (name, variant), result in run_worker_process(group, args, timeout).items():
+            results[(name, variant)] = result
+            print(f"{name} {variant}: {json.dumps(result)[:300]}", flush=True)
+        done = [key for key in order if key in results]
+        write(args.out, summarize(results, done), notes, meta | {"wall_s": time.perf_counter() - started})
+    rows = summarize(results, order)
+    write(args.out, rows, notes, meta | {"wall_s": time.perf_counter() - started})
+    print(format_table(TABLE_COLUMNS, rows))
+    diffs = [r["loss_rel_diff_vs_eager"] for r in rows if r.get("loss_rel_diff_vs_eager") is not None]
+    if diffs:
+        print(f"first losses vs eager: largest relative difference {max(diffs):.2e}")
+    print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
+    if skipped:
+        models = " ".join(dict.fromkeys(name for name, _ in skipped))
+        peers = " ".join(dict.fromkeys(v for _, v in skipped if not v.startswith(POLICY_PREFIX)))
+        policies = " ".join(dict.fromkeys(v[len(POLICY_PREFIX) :] for _, v in skipped if v.startswith(POLICY_PREFIX)))
+        print(f"{len(skipped)} variants skipped for the budget; to run them (and those models' other variants again):")
+        print(f"  python benchmarks/real_models.py --models {models} --variants {peers} --policies {policies} --append")
+
+
+if __name__ == "__main__":
+    main()

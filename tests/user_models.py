@@ -1,0 +1,178 @@
+"""Models nobody here wrote, from configs with random weights (nothing is downloaded), in a LightningModule.
+
+Hugging Face transformers' Llama, GPT-2, BERT, ViT and ResNet, and a torchvision-style ResNet-18 (the staged
+CNN timm and torchvision build: BasicBlocks in four stages of widths 64..512 scaled down, a downsampling block
+opening stages 2-4), rebuilt here because timm and torchvision cannot be installed beside the CPU torch.
+"""
+
+from typing import Callable, Dict
+
+import lightning.pytorch as pl
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import DataLoader
+
+VOCAB, LENGTH, IMAGE = 96, 16, 32
+
+
+def tiny_llama(**overrides) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, **overrides,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def tiny_gpt2(**overrides) -> nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, **overrides,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def tiny_bert(**overrides) -> nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def tiny_vit(**overrides) -> nn.Module:
+    config = transformers.ViTConfig(
+        image_size=IMAGE, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=64, num_labels=10, **overrides,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def tiny_hf_resnet(**overrides) -> nn.Module:
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10,
+        **overrides,
+    )  # fmt: skip
+    return transformers.ResNetForImageClassification(config)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's / timm's ResNet BasicBlock."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + shortcut)
+
+
+class StagedResNet(nn.Module):
+    """torchvision's resnet18 layout (stem, layer1..layer4 of two BasicBlocks, pool, fc), widths scaled down."""
+
+    def __init__(self, widths=(8, 16, 32, 64), num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        inplanes = widths[0]
+        for index, planes in enumerate(widths):
+            stride = 1 if index == 0 else 2
+            self.add_module(
+                f"layer{index + 1}", nn.Sequential(BasicBlock(inplanes, planes, stride), BasicBlock(planes, planes))
+            )
+            inplanes = planes
+        self.fc = nn.Linear(widths[-1], num_classes)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(pixel_values))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        logits = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+        return nn.functional.cross_entropy(logits, labels)
+
+
+def token_batches(count: int, seed: int, mask_labels: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, VOCAB, (4, LENGTH), generator=generator)
+        labels = ids.clone()
+        if mask_labels:  # masked LM: the loss on a few positions only
+            labels[torch.rand(ids.shape, generator=generator) < 0.7] = -100
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return batches
+
+
+def image_batches(count: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        pixels = torch.randn(4, 3, IMAGE, IMAGE, generator=generator)
+        batches.append({"pixel_values": pixels, "labels": torch.randint(0, 10, (4,), generator=generator)})
+    return batches
+
+
+FAMILIES: Dict[str, Callable] = {
+    "llama": lambda seed: token_batches(4, seed),
+    "gpt2": lambda seed: token_batches(4, seed),
+    "bert": lambda seed: token_batches(4, seed, mask_labels=True),
+    "vit": lambda seed: image_batches(4, seed),
+    "hf_resnet": lambda seed: image_batches(4, seed),
+    "staged_resnet": lambda seed: image_batches(4, seed),
+}
+BUILDERS: Dict[str, Callable[..., nn.Module]] = {
+    "llama": tiny_llama,
+    "gpt2": tiny_gpt2,
+    "bert": tiny_bert,
+    "vit": tiny_vit,
+    "hf_resnet": tiny_hf_resnet,
+    "staged_resnet": StagedResNet,
+}
+
+
+class UserModule(pl.LightningModule):
+    """A LightningModule as users write one around a model: the loss comes from the model (``labels=``)."""
+
+    def __init__(self, family: str, **config):
+        super().__init__()
+        self.family = family
+        torch.manual_seed(0)
+        self.model = BUILDERS[family](**config)
+        self.losses = []
+
+    def step(self, batch):
+        output = self.model(**batch)
+        return output if isinstance(output, torch.Tensor) else output.loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        return self.step(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class UserData(pl.LightningDataModule):
+    def __init__(self, family: str):
+        super().__init__()
+        self.train, self.val = FAMILIES[family](1), FAMILIES[family](2)[:1]
+
+    def train_dataloader(self):
+        return DataLoader(self.train, batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader(self.val, batch_size=None)
