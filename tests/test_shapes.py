@@ -135,9 +135,12 @@ def test_marks_skip_sizes_0_and_1_and_reach_region_inputs_with_the_same_sizes():
     batch = shaper.mark(TokenBatch(torch.zeros(4, 7, dtype=torch.long), torch.zeros(4, 7)))
     assert batch.inputs._dynamo_dynamic_indices == {0, 1}
     hidden, other = torch.zeros(4, 7, 16), torch.zeros(4, 16, 7)
-    shaper.mark_region_inputs((hidden,), {"other": other})
+    position_ids, rotary = torch.arange(7)[None], (torch.zeros(1, 7, 8), torch.zeros(1, 7, 8))
+    shaper.mark_region_inputs((hidden,), {"other": other, "position_ids": position_ids, "position_embeddings": rotary})
     assert hidden._dynamo_weak_dynamic_indices == {0, 1}, "same sizes at the same dims: marked"
-    assert not hasattr(other, "_dynamo_weak_dynamic_indices"), "size 7 at another dim: left alone"
+    assert other._dynamo_weak_dynamic_indices == {0}, "the batch size at its dim marked, 7 at another dim left alone"
+    assert position_ids._dynamo_weak_dynamic_indices == {1}, "derived from the batch: its length dim, not the 1"
+    assert all(t._dynamo_weak_dynamic_indices == {1} for t in rotary), "tensors nested in a tuple too"
     single = shaper.mark(TokenBatch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1)))
     assert not hasattr(single.inputs, "_dynamo_dynamic_indices") and shaper.patterns == []
 
@@ -232,4 +235,4 @@ def test_bundled_buckets_and_dynamic_policies_select_the_varlen_recipe():
     assert policy.rules[0].action == "regional"
     assert to_policy(OmegaConf.to_container(regional_then_buckets.compile, resolve=True)) == policy
     assert own_recipe.recipe.name == "gpt_tiny", "a recipe given on the command line wins"
-    assert [d.dim for d in to_policy("dynamic").shapes.dynamic] == [0, 1, 0, 1]
+    assert [d.dim for d in to_policy("dynamic").shapes.dynamic] == [0, 1] * 5

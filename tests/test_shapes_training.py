@@ -195,7 +195,12 @@ def test_train_script_runs_buckets_on_the_variable_length_recipe(tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     output = result.stdout + result.stderr
-    assert "compile policy 'buckets'" in output and "pad inputs, targets at dim 1 to buckets [16, 32]" in output
+    assert "@tokens is inputs" in output and "@labels is targets" in output, "the roles resolved at the first batch"
+    assert (
+        "compile policy 'buckets'" in output
+        and "pad @tokens, @attention_mask, @labels, @token_type_ids, @position_ids at dim 1 to buckets [16, 32]"
+        in output
+    )
     assert "compile warm-up (train): 2 batch shapes" in output and "compile warm-up (eval): 2 batch shapes" in output
     run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
     assert run.config["config"]["recipe"]["name"] == "gpt_tiny_varlen"

@@ -12,6 +12,9 @@ from compile_trainer.schema.telemetry import TelemetryConfig, telemetry_config_p
 from compile_trainer.schema.validate import PolicyError, validate_policy
 
 Schema = TypeVar("Schema")
+# Dicts that an override replaces rather than merges into: pad values name the batch's entries, and a bundled
+# policy's entries (by role) beside the user's own would pad entries the user meant to leave alone.
+REPLACED_BY_OVERRIDES = ("shapes.pad.values",)
 
 
 class SettingsError(ValueError):
@@ -60,6 +63,9 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
         else:
             merged = OmegaConf.merge(schema, spec)
         if overrides:
+            for path in REPLACED_BY_OVERRIDES:  # a dict an override gives whole, not merged into the bundled one
+                if OmegaConf.select(OmegaConf.create(overrides), path) is not None:
+                    OmegaConf.update(merged, path, {}, merge=False)
             merged = OmegaConf.merge(merged, overrides)
     except OmegaConfBaseException as error:
         raise PolicyError(f"invalid compile policy: {error}") from error

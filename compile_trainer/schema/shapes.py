@@ -16,6 +16,21 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 OVERFLOW_POLICIES = ("error", "truncate")
+# Batch entries by role, under the names they usually have (Hugging Face's, then the recipes'). An entry written
+# ``@role`` (``@tokens``) stands for the first of these names the batch has; roles the batch lacks are left out.
+ROLE_PREFIX = "@"
+ROLE_NAMES = {
+    "tokens": ("input_ids", "inputs", "tokens"),
+    "attention_mask": ("attention_mask",),
+    "labels": ("labels", "targets"),
+    "token_type_ids": ("token_type_ids",),
+    "position_ids": ("position_ids",),
+}
+
+
+def role_of(entry: str) -> Optional[str]:
+    """``"tokens"`` for ``"@tokens"``; None for an entry named directly."""
+    return entry[len(ROLE_PREFIX) :] if entry.startswith(ROLE_PREFIX) else None
 
 
 @dataclass
@@ -133,6 +148,7 @@ def padding_problems(pad: Padding) -> List[str]:
             "e.g. {input_ids: 0, attention_mask: false, labels: -100}"
         )
     for entry, value in pad.values.items():
+        problems += _role_problems(f"shapes.pad.values[{entry!r}]", entry)
         if value is None:
             problems.append(
                 f"shapes.pad.values: missing pad value for entry {entry!r}; give pad_token_id for ids, "
@@ -143,6 +159,14 @@ def padding_problems(pad: Padding) -> List[str]:
     return problems
 
 
+def _role_problems(where: str, entry: str) -> List[str]:
+    role = role_of(entry)
+    if role is None or role in ROLE_NAMES:
+        return []
+    roles = ", ".join(ROLE_PREFIX + name for name in ROLE_NAMES)
+    return [f"{where}: unknown role {entry!r}; roles: {roles} (or name the entry itself, e.g. input_ids)"]
+
+
 def dynamic_problems(dims: List[DynamicDim], pad: Padding) -> List[str]:
     problems = []
     buckets = bucket_lengths(pad) if pad.enabled and not padding_problems(pad) else None
@@ -150,6 +174,7 @@ def dynamic_problems(dims: List[DynamicDim], pad: Padding) -> List[str]:
         where = f"shapes.dynamic[{index}] ({spec.entry!r}, dim {spec.dim})"
         if not spec.entry:
             problems.append(f"shapes.dynamic[{index}]: give `entry`, the batch entry to mark (e.g. input_ids)")
+        problems += _role_problems(where, spec.entry)
         if spec.min is not None and spec.min < 2:
             problems.append(
                 f"{where}: min must be >= 2, got {spec.min}; Dynamo specializes sizes 0 and 1 "

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import default_collate
 
 from compile_trainer import compat
-from compile_trainer.schema.shapes import ShapesPolicy, bucket_lengths
+from compile_trainer.schema.shapes import ROLE_NAMES, ShapesPolicy, bucket_lengths, role_of
+
+log = logging.getLogger(__name__)
 
 
 class ShapeError(ValueError):
@@ -170,11 +174,14 @@ class BatchShaper:
     """Applies a ``ShapesPolicy`` to batches: ``shaper(batch)`` pads, then marks; both also work alone.
 
     Padding returns a new batch of the same container types; marking marks the tensors in place. The
-    shaper remembers the dynamic sizes of the last batch it marked, for ``mark_region_inputs``.
+    shaper remembers the dynamic sizes of the last batch it marked, for ``mark_region_inputs``. Entries named
+    by role (``@tokens``, ``@labels``) are resolved against the first batch (``resolve``); ``shapes`` then names
+    the batch's own entries, and ``declared`` keeps the policy's section as it was given.
     """
 
     def __init__(self, shapes: ShapesPolicy):
-        self.shapes = shapes
+        self.declared = self.shapes = shapes
+        self.resolved: Optional[Dict[str, str]] = None  # role -> the batch's entry, once resolved
         self.buckets = bucket_lengths(shapes.pad) if shapes.pad.enabled else None
         # (dim, size) patterns of the last marked batch's dynamic entries, and the ids of its marked tensors
         # (alive while that batch is in use, so an id cannot be another tensor's meanwhile)
@@ -183,6 +190,33 @@ class BatchShaper:
 
     def __call__(self, batch: Any) -> Any:
         return self.mark(self.pad(batch))
+
+    def resolve(self, batch: Any) -> None:
+        """Name the batch's own entries where the policy names roles (once: the first batch decides)."""
+        if self.resolved is not None:
+            return
+        declared = self.declared
+        entries = [spec.entry for spec in declared.dynamic] + list(declared.pad.values)
+        names = {path for path, _ in batch_tensors(batch)}
+        found = {e: next((n for n in ROLE_NAMES[role_of(e)] if n in names), None) for e in entries if role_of(e)}
+        if entries and all(found.get(e, e) is None for e in entries):
+            raise ShapeError(
+                f"none of the entries the compile policy's shapes section names ({', '.join(entries)}) is in the "
+                f"batch; entries seen: {describe_batch(batch)}. Name them in shapes.dynamic / shapes.pad.values"
+            )
+        dynamic = [dataclasses.replace(d, entry=found.get(d.entry, d.entry)) for d in declared.dynamic]
+        values = {e: v for e, v in declared.pad.values.items() if role_of(e) is None}
+        for entry, value in declared.pad.values.items():  # an entry named directly wins over a role
+            if found.get(entry) is not None:
+                values.setdefault(found[entry], value)
+        self.shapes = dataclasses.replace(
+            declared,
+            dynamic=[d for d in dynamic if d.entry is not None],
+            pad=dataclasses.replace(declared.pad, values=values),
+        )
+        self.resolved = {role: name for role, name in found.items() if name is not None}
+        if found:
+            log.info("shapes: %s", ", ".join(f"{role} is {name or 'not in the batch'}" for role, name in found.items()))
 
     def bucket_for(self, length: int) -> Optional[int]:
         """The smallest bucket that holds ``length``; ``None`` when it is longer than every bucket."""
@@ -193,6 +227,7 @@ class BatchShaper:
 
     def pad(self, batch: Any, length: Optional[int] = None) -> Any:
         """Pad the declared entries to the bucket of the longest (or to ``length``, cutting if need be)."""
+        self.resolve(batch)
         pad = self.shapes.pad
         if not pad.enabled:
             return batch
@@ -233,6 +268,7 @@ class BatchShaper:
 
     def mark(self, batch: Any) -> Any:
         """``mark_dynamic`` the declared dimensions of ``batch``'s entries (in place); returns ``batch``."""
+        self.resolve(batch)
         if not self.shapes.dynamic:
             return batch
         by_entry: Dict[str, List[Tuple[int, int]]] = {}
@@ -255,19 +291,24 @@ class BatchShaper:
         return batch
 
     def mark_region_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Mark the tensor arguments of a compiled region that have a batch entry's dynamic sizes at the same dims.
+        """Mark each tensor a compiled region gets (nested in tuples, lists and dicts too) dynamic at every dim
+        where it has a dynamic size of the batch at the same position: hidden states (B, T, H), position ids
+        (1, T), rotary tables (1, T, D) that the model derives from the batch inside other regions.
 
-        ``maybe_mark_dynamic`` is used, so a dimension the region's code needs static is specialized
-        without an error.
+        Dimension by dimension, since a derived tensor keeps some of the batch's dims and not others; at the same
+        position only, since Dynamo gives equal sizes one symbol (a hidden size equal to this step's length would
+        be tied to it). ``maybe_mark_dynamic``: a dimension the region's code needs static is specialized without
+        an error.
         """
         if not self.patterns:
             return
-        for value in (*args, *kwargs.values()):
+        dynamic = {(dim, size) for pattern in self.patterns for dim, size in pattern}
+        for value in tree_leaves((args, kwargs)):
             if not isinstance(value, torch.Tensor) or id(value) in self._marked:
                 continue
-            for pattern in self.patterns:
-                if all(dim < value.dim() and value.shape[dim] == size for dim, size in pattern):
-                    compat.maybe_mark_dynamic(value, [dim for dim, _ in pattern])
+            dims = sorted({dim for dim, size in dynamic if dim < value.dim() and value.shape[dim] == size})
+            if dims:
+                compat.maybe_mark_dynamic(value, dims)
 
     def warmup_batches(self, batch: Any) -> List[Any]:
         """Batches made from ``batch`` that together compile every bucket (just ``batch`` without buckets)."""
