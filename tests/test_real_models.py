@@ -1,5 +1,5 @@
 """The bundled ``regional`` policy on models nobody here wrote (tests/user_models.py): transformers' Llama,
-GPT-2, BERT, ViT and ResNet, and a torchvision-style ResNet-18, from configs with random weights.
+GPT-2, BERT, T5, ViT and ResNet, and a torchvision-style ResNet-18, from configs with random weights.
 
 Each trains under a real Lightning Trainer (a sanity check, 4 steps, validation) eagerly and under the policy
 (``aot_eager``: AOTAutograd's forward and backward graphs, fast on 2 cores), and must: give the same losses and
@@ -23,6 +23,7 @@ CASES = {
     "llama_no_cache": ({"use_cache": False}, 1, 4),
     "gpt2": ({"use_cache": False}, 1, 3),
     "bert": ({}, 1, 3),  # an encoder builds no cache, whatever its config says: the index is not read
+    "t5": ({}, 4, 4),  # block 0 of each stack holds the relative position bias; encoder and decoder blocks differ
     "vit": (CLASSIFIER, 1, 3),
     "hf_resnet": (CLASSIFIER, 4, 4),  # four stages of four widths: four structures
     "staged_resnet": ({}, 7, 8),  # layer1's two blocks are alike; each later stage opens with a downsampling one

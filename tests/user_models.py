@@ -1,8 +1,9 @@
 """Models nobody here wrote, from configs with random weights (nothing is downloaded), in a LightningModule.
 
-Hugging Face transformers' Llama, GPT-2, BERT, ViT and ResNet, and a torchvision-style ResNet-18 (the staged
-CNN timm and torchvision build: BasicBlocks in four stages of widths 64..512 scaled down, a downsampling block
-opening stages 2-4), rebuilt here because timm and torchvision cannot be installed beside the CPU torch.
+Hugging Face transformers' Llama, GPT-2, BERT, T5 (an encoder-decoder), ViT and ResNet, and a torchvision-style
+ResNet-18 (the staged CNN timm and torchvision build: BasicBlocks in four stages of widths 64..512 scaled down, a
+downsampling block opening stages 2-4), rebuilt here because timm and torchvision cannot be installed beside the
+CPU torch.
 """
 
 from typing import Callable, Dict
@@ -38,6 +39,14 @@ def tiny_bert(**overrides) -> nn.Module:
         max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **overrides,
     )  # fmt: skip
     return transformers.BertForMaskedLM(config)
+
+
+def tiny_t5(**overrides) -> nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **overrides,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
 
 
 def tiny_vit(**overrides) -> nn.Module:
@@ -126,6 +135,7 @@ FAMILIES: Dict[str, Callable] = {
     "llama": lambda seed: token_batches(4, seed),
     "gpt2": lambda seed: token_batches(4, seed),
     "bert": lambda seed: token_batches(4, seed, mask_labels=True),
+    "t5": lambda seed: token_batches(4, seed),
     "vit": lambda seed: image_batches(4, seed),
     "hf_resnet": lambda seed: image_batches(4, seed),
     "staged_resnet": lambda seed: image_batches(4, seed),
@@ -134,6 +144,7 @@ BUILDERS: Dict[str, Callable[..., nn.Module]] = {
     "llama": tiny_llama,
     "gpt2": tiny_gpt2,
     "bert": tiny_bert,
+    "t5": tiny_t5,
     "vit": tiny_vit,
     "hf_resnet": tiny_hf_resnet,
     "staged_resnet": StagedResNet,
