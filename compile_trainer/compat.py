@@ -72,6 +72,7 @@ def cudagraph_skips() -> int:
 
 # Dynamo's texts: matched where it gives no structured field (checked 2.9.1-2.13).
 FAIL_ON_RECOMPILE = "fail_on_recompile"  # the RuntimeError under set_stance("fail_on_recompile")
+GRAD_MODE_GUARD = "GLOBAL_STATE changed: grad_mode"  # recompile_reason when the graph checked was another grad mode's
 RECOMPILE_LIMIT_TEXTS = ("recompile limit", "cache_size_limit")  # fail_reason at the limit; wording changed in 2.10
 
 
@@ -97,10 +98,14 @@ def set_recompile_limit(limit: int) -> int:
     return previous
 
 
+def ignored_logger_methods() -> set:
+    return set(torch._dynamo.config.ignore_logger_methods)
+
+
 def set_ignored_logger_methods(methods: set) -> set:
     """Logger methods Dynamo drops while tracing instead of breaking the graph (``ignore_logger_methods``, 2.6+;
     an alias of ``ignore_logging_functions`` from 2.12); returns the previous set, to restore it with."""
-    previous = set(torch._dynamo.config.ignore_logger_methods)
+    previous = ignored_logger_methods()
     torch._dynamo.config.ignore_logger_methods = set(methods)
     return previous
 

@@ -13,8 +13,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Each test starts with empty Dynamo caches and its default recompile limit."""
+    """Each test starts with empty Dynamo caches, no compilation metrics of earlier tests (they are process-wide, and
+    reset() keeps them) and its default recompile limit."""
     torch._dynamo.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
     limit = torch._dynamo.config.recompile_limit
     yield
     torch._dynamo.reset()

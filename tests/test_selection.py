@@ -97,8 +97,9 @@ def test_regional_without_repeated_blocks_names_the_children(tiny_gpt):
     with pytest.raises(PolicyError, match=r"'model.blocks.0' \(Block\) has no repeated blocks.*model.blocks.0.ln_1"):
         plan_for(root, [{"name": "model.blocks.0", "action": "regional"}])
     # A glob that also matches modules without blocks compiles those whole as the rule's rest.
-    plan = plan_for(root, [{"name": "*", "action": "regional", "rest": "compile"}])
-    assert "head" in plan.region_names() and "model.blocks.0" in plan.region_names()
+    for rest in ("compile", "outer"):
+        plan = plan_for(root, [{"name": "*", "action": "regional", "rest": rest}])
+        assert "head" in plan.region_names() and "model.blocks.0" in plan.region_names(), rest
 
 
 def test_disabled_policy_plans_nothing(tiny_gpt):

@@ -142,7 +142,7 @@ def test_marks_skip_sizes_0_and_1_and_reach_region_inputs_with_the_same_sizes():
     assert position_ids._dynamo_weak_dynamic_indices == {1}, "derived from the batch: its length dim, not the 1"
     assert all(t._dynamo_weak_dynamic_indices == {1} for t in rotary), "tensors nested in a tuple too"
     single = shaper.mark(TokenBatch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1)))
-    assert not hasattr(single.inputs, "_dynamo_dynamic_indices") and shaper.patterns == []
+    assert not hasattr(single.inputs, "_dynamo_dynamic_indices") and shaper.dynamic_sizes == set()
 
 
 def test_padding_changes_neither_loss_nor_gradients():

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from torch._dynamo.utils import clear_compilation_metrics, get_compilation_metrics
+from torch._dynamo.utils import get_compilation_metrics
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, ShapeError, to_policy
@@ -38,7 +38,6 @@ def frame_recompiles():
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 def test_dynamic_never_recompiles_on_a_stream_of_new_lengths(family):
-    clear_compilation_metrics()  # process-wide: earlier tests' compiles are not this one's
     _, callback = fit_stream(family, "dynamic", hf_stream())
     assert frame_recompiles() == [], [(m.compile_id, m.recompile_reason) for m in frame_recompiles()]
     assert callback.summary()["recompiles"] == 0

@@ -2,8 +2,9 @@
 
 Regions are compiled in place (the module's compiled call, as ``nn.Module.compile`` sets it), so
 ``state_dict()`` keys never gain ``_orig_mod.``. Each region's top frame is a small entry function
-whose code object is made per (class, settings): all blocks of one class share one cache entry,
-and therefore one compiled graph, while regions of other classes never collide in it. This also
+whose code object is made per (class, settings, block structure): blocks of one structure
+(``planning.structure``) share one cache entry, and therefore one compiled graph, while other regions
+never collide in it. This also
 works for classes defined in ``torch.nn``, which ``module.compile()`` silently skips on
 torch < 2.14 (their ``forward`` lives in files Dynamo does not trace as a top frame).
 
@@ -318,9 +319,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     # Restored by remove(), not by garbage collection: a generator-based context manager would restore them
     # whenever a forgotten AppliedPolicy is collected, under the feet of the policy applied since.
     applied.process_settings.callback(compat.set_recompile_limit, compat.set_recompile_limit(policy.recompile_limit))
-    ignored = compat.set_ignored_logger_methods(set())
+    ignored = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
     applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
-    compat.set_ignored_logger_methods(ignored | once_logger_methods())
     for region, kwargs in planned:
         # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.

@@ -237,7 +237,7 @@ def _has_state(module: nn.Module) -> bool:
 
 def _place_rest(plan: CompilePlan, index: int, rule: Rule, name: str, module: nn.Module, settings) -> None:
     """A module that a regional glob matched but that holds no repeated blocks is all 'rest'."""
-    if rule.rest in ("compile", "nested") and _has_state(module):
+    if rule.rest in ("compile", "outer", "nested") and _has_state(module):
         _place(plan, index, name, Region(name, module, settings, index, "rest"))
         plan.notes.append(f"{name} has no repeated blocks: compiled whole as rest of rule {index}")
     else:

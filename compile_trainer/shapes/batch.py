@@ -183,9 +183,9 @@ class BatchShaper:
         self.declared = self.shapes = shapes
         self.resolved: Optional[Dict[str, str]] = None  # role -> the batch's entry, once resolved
         self.buckets = bucket_lengths(shapes.pad) if shapes.pad.enabled else None
-        # (dim, size) patterns of the last marked batch's dynamic entries, and the ids of its marked tensors
+        # (dim, size) of the last marked batch's dynamic dimensions, and the ids of its marked tensors
         # (alive while that batch is in use, so an id cannot be another tensor's meanwhile)
-        self.patterns: List[Tuple[Tuple[int, int], ...]] = []
+        self.dynamic_sizes: Set[Tuple[int, int]] = set()
         self._marked: Set[int] = set()
 
     def __call__(self, batch: Any) -> Any:
@@ -271,8 +271,7 @@ class BatchShaper:
         self.resolve(batch)
         if not self.shapes.dynamic:
             return batch
-        by_entry: Dict[str, List[Tuple[int, int]]] = {}
-        self._marked = set()
+        self._marked, self.dynamic_sizes = set(), set()
         for spec in self.shapes.dynamic:
             tensor = get_entry(batch, spec.entry)
             dim = _check_dim(spec.entry, tensor, spec.dim, batch)
@@ -286,8 +285,7 @@ class BatchShaper:
                 )
             compat.mark_dynamic(tensor, dim, min=spec.min, max=spec.max)
             self._marked.add(id(tensor))
-            by_entry.setdefault(spec.entry, []).append((dim, size))
-        self.patterns = sorted({tuple(sorted(pattern)) for pattern in by_entry.values()})
+            self.dynamic_sizes.add((dim, size))
         return batch
 
     def mark_region_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -300,13 +298,12 @@ class BatchShaper:
         be tied to it). ``maybe_mark_dynamic``: a dimension the region's code needs static is specialized without
         an error.
         """
-        if not self.patterns:
+        if not self.dynamic_sizes:
             return
-        dynamic = {(dim, size) for pattern in self.patterns for dim, size in pattern}
         for value in tree_leaves((args, kwargs)):
             if not isinstance(value, torch.Tensor) or id(value) in self._marked:
                 continue
-            dims = sorted({dim for dim, size in dynamic if dim < value.dim() and value.shape[dim] == size})
+            dims = sorted({dim for dim, size in self.dynamic_sizes if dim < value.dim() and value.shape[dim] == size})
             if dims:
                 compat.maybe_mark_dynamic(value, dims)
 

@@ -355,7 +355,7 @@ class CompileTelemetry:
             stats.grad_mode_variants += 1
         elif attempt > 0:
             reason = guard_text(getattr(metric, "recompile_reason", None)) or "unknown guard (no compilation metrics)"
-            if reason.startswith("GLOBAL_STATE changed: grad_mode"):
+            if reason.startswith(compat.GRAD_MODE_GUARD):
                 # Dynamo names one failed guard, of the graph it checked first: another grad mode's. The graph of
                 # this grad mode failed a guard it does not name.
                 reason = (
