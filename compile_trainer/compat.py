@@ -127,6 +127,20 @@ def inductor_mode_options(mode: str) -> Dict[str, Any]:
     return torch._inductor.list_mode_options(mode)
 
 
+def inductor_options_without_size_guards() -> Dict[str, Any]:
+    """Inductor options under which Inductor guards on no dynamic size of its own.
+
+    The mix-order reduction (torch >= 2.10; fuses a norm's backward reductions) decides with
+    ``evaluate_expr(nrow * ncol >= 5 * 2**20)``, a guard on the symbolic length: a stream of lengths crossing that
+    size compiled a second graph (``6144*idx.size()[1] >= 5242880``, H100, torch 2.11). Its non-strict mode
+    skips the size checks and fuses whatever the size.
+    """
+    triton_config = torch._inductor.config.triton
+    if hasattr(triton_config, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return {}
+
+
 # -- Shapes ------------------------------------------------------------------------------------------------
 # mark_dynamic and friends live in torch._dynamo (documented, but under a private package; 2.0+).
 
@@ -300,6 +314,7 @@ ENTRIES = [
     Entry("lookup_backend", lambda: lookup_backend("eager")),
     Entry("inductor_backend", lambda: inductor_backend(None, None, None)),
     Entry("inductor_mode_options", lambda: inductor_mode_options("max-autotune")),
+    Entry("inductor_options_without_size_guards", lambda: isinstance(inductor_options_without_size_guards(), dict)),
     Entry("mark_dynamic", lambda: mark_dynamic(torch.zeros(2, 3), 1, min=2, max=8)),
     Entry("maybe_mark_dynamic", lambda: maybe_mark_dynamic(torch.zeros(2, 3), [1])),
     Entry("mark_static_address", lambda: mark_static_address(torch.zeros(2))),

@@ -18,16 +18,18 @@ from tests.user_models import UserData, UserModule
 # real recompile at the next validation); a user who sets it, as here, avoids it.
 CLASSIFIER = {"problem_type": "single_label_classification"}
 CASES = {
-    # family: (config, block entries expected, blocks)
-    "llama": ({}, 4, 4),  # use_cache=True: each decoder layer reads its layer_idx (a KV cache): one entry each
+    # family: (config, block entries expected, blocks); None: too few blocks per structure, compiled whole
+    "llama": ({}, None, 4),  # use_cache=True: each decoder layer reads its layer_idx (a KV cache): one entry each
     "llama_no_cache": ({"use_cache": False}, 1, 4),
     "gpt2": ({"use_cache": False}, 1, 3),
     "bert": ({}, 1, 3),  # an encoder builds no cache, whatever its config says: the index is not read
-    "t5": ({}, 4, 4),  # block 0 of each stack holds the relative position bias; encoder and decoder blocks differ
+    "t5": ({}, None, 4),  # block 0 of each stack holds the relative position bias; encoder and decoder blocks differ
     "vit": (CLASSIFIER, 1, 3),
-    "hf_resnet": (CLASSIFIER, 4, 4),  # four stages of four widths: four structures
-    "staged_resnet": ({}, 7, 8),  # layer1's two blocks are alike; each later stage opens with a downsampling one
+    "hf_resnet": (CLASSIFIER, None, 4),  # four stages of four widths: four structures
+    "staged_resnet": ({}, None, 8),  # layer1's two blocks are alike; each later stage opens with a downsampling one
 }
+# Entries per distinct structure, when regional_min_reuse: 0 keeps the blocks regional whatever their reuse.
+ENTRIES_WHEN_REGIONAL = {"llama": 4, "t5": 4, "hf_resnet": 4, "staged_resnet": 7}
 
 
 def fit(family, config, callback=None, steps=4, ckpt_path=None, **trainer_args):
@@ -44,23 +46,19 @@ def regional(**overrides):
     return CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False}, **overrides)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_regional_trains_like_eager_without_recompiles_on_real_models(case):
-    config, block_entries, blocks = CASES[case]
+def assert_trains_like_eager(case, config, callback):
     _, eager = fit(case, config)
-    callback = regional()
     _, compiled = fit(case, config, callback)
-
     torch.testing.assert_close(torch.stack(compiled.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
     for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
     summary = callback.summary()
     assert summary["recompiles"] == 0 and summary["recompile_limit_hits"] == 0, callback.telemetry.compile.events
     assert summary["graph_breaks"] == 0, "only the breaks the policy declares (around the block stack)"
-    assert summary["declared_graph_breaks"] >= 1
+    assert set(compiled.state_dict()) == set(eager.state_dict()), "compiled in place: no _orig_mod. keys"
 
-    roles = [item.region.role for item in callback.applied.compiled]
-    assert roles.count("outer") == 1, "the model's own code (head, loss) is compiled around its blocks"
+
+def assert_blocks_share_entries(callback, block_entries, blocks):
     block_items = [item for item in callback.applied.compiled if item.region.role == "block"]
     assert len(block_items) == blocks
     assert len({item.entry_name for item in block_items}) == block_entries
@@ -68,7 +66,29 @@ def test_regional_trains_like_eager_without_recompiles_on_real_models(case):
     for stats in callback.telemetry.compile.regions.values():
         if set(stats.modules) <= labels:  # a block entry: one graph for training, one for validation
             assert (stats.compiles, stats.graphs) == (2, 2), stats
-    assert set(compiled.state_dict()) == set(eager.state_dict()), "compiled in place: no _orig_mod. keys"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_regional_trains_like_eager_without_recompiles_on_real_models(case):
+    config, block_entries, blocks = CASES[case]
+    callback = regional()
+    assert_trains_like_eager(case, config, callback)
+    roles = [item.region.role for item in callback.applied.compiled]
+    if block_entries is None:  # blocks share too little: the model is compiled whole, and the plan says why
+        assert roles == ["full"], roles
+        assert any(f"{blocks} blocks in" in note and "compiled whole" in note for note in callback.applied.notes)
+        return
+    assert callback.summary()["declared_graph_breaks"] >= 1
+    assert roles.count("outer") == 1, "the model's own code (head, loss) is compiled around its blocks"
+    assert_blocks_share_entries(callback, block_entries, blocks)
+
+
+@pytest.mark.parametrize("case", ["staged_resnet", "t5"])
+def test_blocks_that_share_little_stay_regional_when_asked_grouped_by_structure(case):
+    config, _, blocks = CASES[case]
+    callback = regional(regional_min_reuse=0)
+    assert_trains_like_eager(case, config, callback)
+    assert_blocks_share_entries(callback, ENTRIES_WHEN_REGIONAL[case], blocks)
 
 
 def test_checkpoints_of_a_real_model_load_both_ways(tmp_path):

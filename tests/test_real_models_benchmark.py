@@ -54,7 +54,8 @@ def test_real_models_smoke_compares_variants_side_by_side(tmp_path):
     for model in MODELS:
         assert rows[(model, "torch_compile")]["throughput_vs_full"] == 1.0
         assert rows[(model, "torch_compile")]["first_step_vs_full"] == 1.0
-        assert rows[(model, "policy_regional")]["graphs"] >= 3, "blocks, and the rest as their own regions"
+        if model != "resnet50":  # its blocks come in as many structures as stages: compiled whole
+            assert rows[(model, "policy_regional")]["graphs"] >= 3, "blocks, and the rest as their own regions"
 
     # A second command appends to the file: a policy that does not exist is an error row, not a crash, and the
     # first command's rows and ratios stay.

@@ -104,3 +104,22 @@ def test_regional_without_repeated_blocks_names_the_children(tiny_gpt):
 
 def test_disabled_policy_plans_nothing(tiny_gpt):
     assert resolve_plan(Wrapper(tiny_gpt), to_policy("none")).regions == []
+
+
+def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
+    class Stages(nn.Module):  # widths change per block, as a CNN's stages do: every block its own structure
+        def __init__(self, widths):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+    root = Wrapper(Stages([4, 8, 16, 32, 64]))
+    rule = [{"name": "*", "action": "regional", "rest": "outer"}]
+    plan = plan_for(root, rule)
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "rest")]  # Wrapper's head
+    assert any("4 blocks in 4 distinct structures, 1.0 per compiled graph" in note for note in plan.notes)
+    plan = plan_for(root, rule, regional_min_reuse=0)
+    assert [r.role for r in plan.regions].count("block") == 4
+    same = Wrapper(Stages([8, 8, 8]))  # two blocks of one structure: one block graph is never more work
+    assert [r.role for r in plan_for(same, rule).regions].count("block") == 2
+    with pytest.raises(PolicyError, match="regional_min_reuse must be >= 0"):
+        to_policy("regional", regional_min_reuse=-1)

@@ -38,7 +38,7 @@ PAD = {"buckets": [8, 16, 24, 32], "values": {"inputs": 0, "targets": -100}}
         ({"pad": {**PAD, "buckets": [16, 8, 32]}}, r"buckets must be sorted ascending.*\[16, 8, 32\]"),
         ({"pad": {**PAD, "buckets": [0, 8]}}, "buckets must be positive"),
         ({"pad": {**PAD, "buckets": [8, 8]}}, "without repeats"),
-        ({"pad": {**PAD, "multiple_of": 8}}, "one of buckets, multiple_of, powers_of_two, not buckets and multiple_of"),
+        ({"pad": {**PAD, "multiple_of": 8}}, "powers_of_two, auto, not buckets and multiple_of"),
         ({"pad": {"values": {"inputs": 0}}}, "values are given but no buckets"),
         ({"pad": {**PAD, "buckets": [], "powers_of_two": {"min": 12, "max": 64}}}, "powers of two"),
         ({"pad": {**PAD, "values": {"inputs": 0, "targets": None}}}, "missing pad value for entry 'targets'"),
@@ -134,13 +134,20 @@ def test_marks_skip_sizes_0_and_1_and_reach_region_inputs_with_the_same_sizes():
     shaper = BatchShaper(shapes(dynamic=[{"entry": "inputs", "dim": 0}, {"entry": "inputs", "dim": 1}]))
     batch = shaper.mark(TokenBatch(torch.zeros(4, 7, dtype=torch.long), torch.zeros(4, 7)))
     assert batch.inputs._dynamo_dynamic_indices == {0, 1}
-    hidden, other = torch.zeros(4, 7, 16), torch.zeros(4, 16, 7)
+    hidden, mask, other = torch.zeros(4, 7, 16), torch.zeros(4, 1, 7, 7), torch.zeros(3, 4, 16)
     position_ids, rotary = torch.arange(7)[None], (torch.zeros(1, 7, 8), torch.zeros(1, 7, 8))
-    shaper.mark_region_inputs((hidden,), {"other": other, "position_ids": position_ids, "position_embeddings": rotary})
+    inputs = {"mask": mask, "other": other, "position_ids": position_ids, "position_embeddings": rotary}
+    shaper.mark_region_inputs((hidden,), inputs, "block")
     assert hidden._dynamo_weak_dynamic_indices == {0, 1}, "same sizes at the same dims: marked"
-    assert other._dynamo_weak_dynamic_indices == {0}, "the batch size at its dim marked, 7 at another dim left alone"
+    assert mask._dynamo_weak_dynamic_indices == {0, 2, 3}, "a length wherever it stands, the batch size at dim 0"
+    assert not hasattr(other, "_dynamo_weak_dynamic_indices"), "the batch size (4) at another dim left alone"
     assert position_ids._dynamo_weak_dynamic_indices == {1}, "derived from the batch: its length dim, not the 1"
     assert all(t._dynamo_weak_dynamic_indices == {1} for t in rotary), "tensors nested in a tuple too"
+    # the next batch's length equals the hidden size: the region's inputs keep the dims of its first call
+    batch = shaper.mark(TokenBatch(torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16)))  # in use, as in a step
+    hidden = torch.zeros(4, 16, 16)
+    shaper.mark_region_inputs((hidden,), {}, "block")
+    assert hidden._dynamo_weak_dynamic_indices == {0, 1}, "a dim marked only where the first call marked it"
     single = shaper.mark(TokenBatch(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1)))
     assert not hasattr(single.inputs, "_dynamo_dynamic_indices") and shaper.dynamic_sizes == set()
 

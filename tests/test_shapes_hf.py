@@ -83,3 +83,103 @@ def test_buckets_pad_hf_batches_by_role_without_changing_training_and_compile_on
     torch.testing.assert_close(trained, torch.stack(eager.losses), rtol=1e-4, atol=1e-5)
     padded = BatchShaper(callback.policy.shapes).pad(stream[0])
     assert padded["input_ids"].shape[1] == 32 and (padded["labels"][:, 6:] == -100).all()
+
+
+def test_chosen_buckets_pad_least_of_every_set_of_that_many():
+    import itertools
+    import random
+
+    from compile_trainer.shapes.buckets import LengthSample, choose_buckets, padded_positions
+
+    rng = random.Random(0)
+    for _ in range(100):
+        samples = [LengthSample(rng.randint(1, 60), rng.randint(1, 4)) for _ in range(rng.randint(1, 10))]
+        count, multiple_of = rng.randint(1, 4), rng.choice([1, 8])
+        chosen = choose_buckets(samples, count, multiple_of)
+        top = -(-max(s.length for s in samples) // multiple_of) * multiple_of
+        lower = sorted({-(-s.length // multiple_of) * multiple_of for s in samples} - {top})
+        every = [list(c) + [top] for n in range(count) for c in itertools.combinations(lower, n)]
+        assert len(chosen) <= count and chosen[-1] == top and all(b % multiple_of == 0 for b in chosen)
+        assert padded_positions(samples, chosen)[1] == min(padded_positions(samples, b)[1] for b in every)
+
+
+def test_auto_buckets_come_from_the_training_batches_and_leave_training_unchanged():
+    from compile_trainer.shapes.buckets import LengthSample, choose_buckets, padding_overhead
+
+    rng = torch.Generator().manual_seed(1)
+    stream = hf_stream([int(n) for n in torch.randint(5, 60, (16,), generator=rng)])
+    for batch in stream:  # as a collator pads: the rows after the first are shorter, padded at the end
+        length = batch["input_ids"].shape[1]
+        for row, cut in enumerate(torch.randint(1, length, (3,), generator=rng), start=1):
+            batch["input_ids"][row, cut:], batch["attention_mask"][row, cut:], batch["labels"][row, cut:] = 0, 0, -100
+    auto = {"count": 3, "sample_batches": 16, "multiple_of": 4}
+
+    def loader():
+        torch.manual_seed(0)  # shuffled: reading the lengths first must not change the order training sees
+        return DataLoader(stream, batch_size=None, shuffle=True)
+
+    callback = CompileCallback(
+        "buckets_auto", backend="eager", telemetry={"measure_flops": False}, shapes={"pad": {"auto": auto}}
+    )
+    module = UserModule("llama", use_cache=False)
+    trainer = quiet_cpu_trainer(max_steps=len(stream), limit_val_batches=0, callbacks=[callback])
+    trainer.fit(module, train_dataloaders=loader())
+    eager = UserModule("llama", use_cache=False)
+    quiet_cpu_trainer(max_steps=len(stream), limit_val_batches=0).fit(eager, train_dataloaders=loader())
+
+    samples = [LengthSample(b["input_ids"].shape[1], 4) for b in stream]
+    expected = choose_buckets(samples, 3, 4)
+    summary = callback.summary()
+    assert summary["buckets"] == expected and len(expected) == 3
+    assert summary["expected_padding_overhead"] == pytest.approx(padding_overhead(samples, expected))
+    assert summary["padding_overhead"] == pytest.approx(padding_overhead(samples, expected)), "all 16 batches seen"
+    assert summary["recompiles"] == 0, callback.telemetry.compile.events
+    trained = torch.stack(module.losses[len(expected) :])  # warm-up ran training_step once per bucket first
+    torch.testing.assert_close(trained, torch.stack(eager.losses), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_buckets_are_checked_before_training():
+    with pytest.raises(Exception, match=r"auto.count must be >= 1"):
+        to_policy("buckets_auto", shapes={"pad": {"auto": {"count": 0}}})
+    with pytest.raises(Exception, match=r"give one of buckets, multiple_of, powers_of_two, auto, not buckets and auto"):
+        to_policy("buckets", shapes={"pad": {"auto": {"count": 2}}})
+    with pytest.raises(Exception, match=r"max \(100\) must be a multiple of auto.multiple_of \(8\)"):
+        to_policy("buckets_auto", shapes={"pad": {"max": 100}})
+    with pytest.raises(ShapeError, match="has not chosen its buckets yet"):
+        BatchShaper(to_policy("buckets_auto").shapes).pad(hf_stream([8])[0])
+
+
+def test_dynamic_with_inductor_adds_no_size_guard_of_its_own():
+    """The real Inductor on a stream of new lengths: no recompile, the same losses as eager; the regions are
+    compiled with the options that keep Inductor's own size checks from guarding (where this torch has them)."""
+    from compile_trainer.compat import inductor_options_without_size_guards
+
+    stream = hf_stream(list(range(6, 30, 4)))
+    callback = CompileCallback("dynamic", telemetry={"measure_flops": False})
+    module = UserModule("gpt2", use_cache=False)
+    quiet_cpu_trainer(max_steps=len(stream), limit_val_batches=0, callbacks=[callback]).fit(
+        module, train_dataloaders=DataLoader(stream, batch_size=None)
+    )
+    eager = UserModule("gpt2", use_cache=False)
+    quiet_cpu_trainer(max_steps=len(stream), limit_val_batches=0).fit(
+        eager, train_dataloaders=DataLoader(stream, batch_size=None)
+    )
+    assert frame_recompiles() == [], [(m.compile_id, m.recompile_reason) for m in frame_recompiles()]
+    torch.testing.assert_close(torch.stack(module.losses), torch.stack(eager.losses), rtol=1e-4, atol=1e-5)
+    for item in callback.applied.compiled:
+        assert inductor_options_without_size_guards().items() <= item.region.settings.options.items()
+
+
+def test_dynamic_turns_cudnn_attention_off_on_the_gpu_while_applied():
+    """cuDNN attention builds a plan per new length (host-bound steps on an H100): off while a dynamic policy is
+    applied to a model on the GPU, back on after. Nothing runs on the device: the policy is only applied."""
+    from compile_trainer.compiling.regions import CUDNN_ATTENTION_OFF, apply_policy
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    on_cpu = apply_policy(UserModule("llama", use_cache=False), to_policy("dynamic"), device=torch.device("cpu"))
+    assert torch.backends.cuda.cudnn_sdp_enabled() and CUDNN_ATTENTION_OFF not in on_cpu.notes
+    on_cpu.remove()
+    on_gpu = apply_policy(UserModule("llama", use_cache=False), to_policy("dynamic"), device=torch.device("cuda"))
+    assert not torch.backends.cuda.cudnn_sdp_enabled() and CUDNN_ATTENTION_OFF in on_gpu.notes
+    on_gpu.remove()
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -16,10 +16,11 @@ limit) are restored by ``AppliedPolicy.remove()``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -204,6 +205,15 @@ def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dic
     return kwargs, notes
 
 
+def settings_for_dynamic_sizes(settings: CompileSettings, dynamic: Sequence[Any]) -> CompileSettings:
+    """With sizes declared dynamic (``shapes.dynamic``), Inductor options that keep Inductor from guarding on
+    them (``compat.inductor_options_without_size_guards``); options the policy gives win."""
+    if not dynamic or settings.backend != "inductor":
+        return settings
+    options = {**compat.inductor_options_without_size_guards(), **settings.options}
+    return dataclasses.replace(settings, options=options)
+
+
 def kwargs_use_cuda_graphs(kwargs: Dict[str, Any]) -> bool:
     return kwargs["mode"] == "reduce-overhead" or bool((kwargs["options"] or {}).get("triton.cudagraphs"))
 
@@ -286,6 +296,13 @@ def _refuse_user_compiled(root: nn.Module) -> None:
         )
 
 
+CUDNN_ATTENTION_OFF = (
+    "shapes.dynamic: cuDNN attention is off while the policy is applied (scaled_dot_product_attention uses flash "
+    "or memory-efficient attention): cuDNN builds a plan for every new length, about 5.5 ms of host time per "
+    "attention call (H100, torch 2.11), which made a 16-layer Llama's steps host-bound"
+)
+
+
 def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.device] = None) -> AppliedPolicy:
     """Resolve ``policy`` against ``root`` and compile its regions in place.
 
@@ -308,6 +325,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         return applied
     planned, noted = [], {}  # note -> the regions it applies to
     for region in plan.regions:  # every check before anything is compiled
+        region.settings = settings_for_dynamic_sizes(region.settings, policy.shapes.dynamic)
         kwargs, notes = compile_kwargs(region.settings, device)
         for note in notes:
             noted.setdefault(note, []).append(region.name)
@@ -321,6 +339,10 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     applied.process_settings.callback(compat.set_recompile_limit, compat.set_recompile_limit(policy.recompile_limit))
     ignored = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
     applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
+    if policy.shapes.dynamic and device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        applied.process_settings.callback(torch.backends.cuda.enable_cudnn_sdp, True)
+        applied.notes.append(CUDNN_ATTENTION_OFF)
     for region, kwargs in planned:
         # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.

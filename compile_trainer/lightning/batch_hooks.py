@@ -16,14 +16,18 @@ import inspect
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Set
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.seed import isolate_rng
+from torch.utils._pytree import tree_leaves
+from torch.utils.data import DataLoader
 
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy
 from compile_trainer.schema import PolicyError, ShapesPolicy
 from compile_trainer.shapes.batch import BatchShaper
+from compile_trainer.shapes.buckets import LengthSample, padding_overhead
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors, step_mode
 from compile_trainer.telemetry.compile_events import WARMUP_PHASE
 from compile_trainer.telemetry.throughput import preserved_training_state
@@ -73,6 +77,38 @@ class ShapeHooks:
         self._strategy = trainer.strategy
         self._original = self._strategy.batch_to_device
         self._strategy.batch_to_device = self._batch_to_device
+
+    def choose_auto_buckets(self) -> Optional[str]:
+        """``shapes.pad.auto``: read the lengths of the first training batches (the random state restored after,
+        so training sees the batches it would have) and choose the buckets; a line for the plan, or None."""
+        auto = self.shapes.pad.auto
+        if auto is None or self.shaper.buckets is not None:
+            return None
+        samples = self._first_lengths(auto.sample_batches)
+        buckets = self.shaper.choose_buckets(samples)
+        longest = max(s.length for s in samples)
+        to_longest = padding_overhead(samples, [longest])
+        return (
+            f"shapes: buckets {buckets} chosen from {len(samples)} training batches' lengths "
+            f"({min(s.length for s in samples)}..{longest}): expected padding "
+            f"{self.shaper.expected_padding_overhead:.1%} of the real positions (one bucket at the longest: "
+            f"{to_longest:.1%})"
+        )
+
+    def _first_lengths(self, count: int) -> List[LengthSample]:
+        self.trainer.fit_loop.setup_data()  # what fit does first anyway; idempotent
+        loaders = [dl for dl in tree_leaves(self.trainer.train_dataloader) if isinstance(dl, DataLoader)]
+        if not loaders:
+            raise PolicyError("shapes.pad.auto reads the training batches' lengths, but fit has no DataLoader")
+        samples: List[LengthSample] = []
+        with isolate_rng():
+            for batch in loaders[0]:
+                samples.append(self.shaper.length_of(batch))
+                if len(samples) == count:
+                    break
+        if not samples:
+            raise PolicyError("shapes.pad.auto: the training DataLoader gave no batch to read lengths from")
+        return samples
 
     def _batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = self._original(batch, device, dataloader_idx)

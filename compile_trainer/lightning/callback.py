@@ -75,6 +75,9 @@ class CompileCallback(pl.Callback):
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             rank_zero_info(format_plan_table(self.applied))
+        chosen = self.shape_hooks.choose_auto_buckets() if self.shape_hooks is not None else None
+        if chosen and self.print_plan:
+            rank_zero_info(chosen)
         self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
@@ -91,6 +94,8 @@ class CompileCallback(pl.Callback):
         if stage == "fit" and self.policy.shapes.active:
             phase = {"phase": self.telemetry.phase} if self.telemetry is not None else {}
             self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, **phase)
+            if self.telemetry is not None and self.policy.shapes.pad.enabled:
+                self.telemetry.summary_sources["padding"] = self.shape_hooks.shaper.padding_summary
             if self.print_plan:
                 rank_zero_info(describe_shapes(self.policy.shapes))
 

@@ -63,6 +63,8 @@ class FitTelemetry:
         self._steps = 0
         self._logged_steps = 0
         self._compiles_at_start = 0
+        # Other parts' headline numbers by part (``"padding"``), merged into ``summary()``
+        self.summary_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
 
     # -- hooks --------------------------------------------------------------------------------------
 
@@ -194,7 +196,10 @@ class FitTelemetry:
         if self.compile is None:
             return {}
         self.compile.collect()
-        return {**self.compile.totals(), **self.throughput.summary(wait=True)}
+        summary = {**self.compile.totals(), **self.throughput.summary(wait=True)}
+        for source in self.summary_sources.values():
+            summary.update(source())
+        return summary
 
     def events(self) -> List[List[Any]]:
         return [event.row() for event in self.compile.events] if self.compile is not None else []
@@ -245,6 +250,12 @@ class FitTelemetry:
             f"(and {summary['grad_mode_variants']} grad-mode variants, expected), "
             f"{summary['graph_breaks']} graph breaks, {summary['unique_graphs']} graphs",
         ]
+        if summary.get("padding_overhead") is not None:
+            expected = summary.get("expected_padding_overhead")
+            lines.append(
+                f"  padding to buckets {summary['buckets']}: {summary['padding_overhead']:.1%} more positions than "
+                "the data" + (f" (expected {expected:.1%})" if expected is not None else "")
+            )
         if summary["cudagraph_skips"]:
             lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
         return "\n".join(lines)

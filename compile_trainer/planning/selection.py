@@ -166,8 +166,9 @@ class _NoRepeatedBlocks(Exception):
 
 
 def _expand_rule(
-    index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan
-) -> List[Tuple[str, Optional[Region]]]:
+    index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan,
+    min_reuse: float,
+) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
     """What one rule does to one matched module: ``(name, region or None for eager)`` items."""
     if rule.action == "eager":
         return [(name, None)]
@@ -183,6 +184,15 @@ def _expand_rule(
     block_names = [b for _, names in groups for b in names]
     structure = group_blocks(module, [_relative(b, name) for b in block_names])
     plan.notes.extend(structure.notes)
+    reuse = len(block_names) / len(structure.groups)
+    if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
+        plan.notes.append(
+            f"{name} ({type(module).__name__}): {len(block_names)} blocks in {len(structure.groups)} distinct "
+            f"structures, {reuse:.1f} per compiled graph (regional_min_reuse {min_reuse:g}): compiled whole, which "
+            "compiles about as fast as that many graphs and runs without breaks; regional_min_reuse: 0 compiles "
+            "the blocks regionally"
+        )
+        return [(name, Region(name, module, settings, index, "full"))]
     items: List[Tuple[str, Optional[Region]]] = []
     breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rule.rest == "outer" else None
     if rule.rest == "outer" and breaks is None:
@@ -264,7 +274,7 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
         without_blocks = []
         for name, module in matched:
             try:
-                items = _expand_rule(index, rule, name, module, settings, plan)
+                items = _expand_rule(index, rule, name, module, settings, plan, policy.regional_min_reuse)
             except _NoRepeatedBlocks as missing:
                 without_blocks.append(missing)
                 continue

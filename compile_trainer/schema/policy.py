@@ -80,6 +80,11 @@ class CompilePolicy(CompileSettings):
     enabled: bool = True
     # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
     recompile_limit: int = 8
+    # A regional rule compiles a matched module whole instead (as ``full``) when its repeated blocks come in
+    # several structures and average fewer than this many blocks per structure (ResNet-50: 16 blocks, 8
+    # structures): compiling that many graphs takes about as long as the whole model, and the breaks between
+    # them cost throughput. 0 compiles the blocks regionally whatever their reuse.
+    regional_min_reuse: float = 3.0
     # Compile on a background thread while the first steps run eagerly (compile_trainer.compiling.background).
     background: bool = False
     rules: List[Rule] = field(default_factory=list)

@@ -54,12 +54,27 @@ class PowersOfTwo:
 
 
 @dataclass
+class AutoBuckets:
+    """Bucket lengths chosen from the data (``shapes.pad.auto``).
+
+    ``count`` lengths, each a multiple of ``multiple_of``, that pad the fewest positions over the lengths of the
+    first ``sample_batches`` training batches (read before training, the random state restored). The largest
+    bucket holds the longest batch seen, or ``Padding.max`` where given (the model's longest input, say), so
+    that a longer batch later still fits.
+    """
+
+    count: int = 4
+    sample_batches: int = 64
+    multiple_of: int = 8
+
+
+@dataclass
 class Padding:
     """Pad entries along ``dim`` up to the smallest bucket that fits.
 
     The buckets are given by exactly one of ``buckets`` (explicit lengths), ``multiple_of`` (every
-    multiple up to ``max``, unbounded without it) or ``powers_of_two`` (``min`` to ``max``); with none,
-    nothing is padded. ``values``
+    multiple up to ``max``, unbounded without it), ``powers_of_two`` (``min`` to ``max``) or ``auto`` (chosen
+    from the data's lengths); with none, nothing is padded. ``values``
     names the entries to pad and the value for each. A batch longer than the largest bucket is an
     ``error`` or is cut to it (``truncate``), as ``overflow`` says.
     """
@@ -69,12 +84,22 @@ class Padding:
     multiple_of: Optional[int] = None
     max: Optional[int] = None
     powers_of_two: Optional[PowersOfTwo] = None
+    auto: Optional[AutoBuckets] = None
     values: Dict[str, Any] = field(default_factory=dict)
     overflow: str = "error"
 
     @property
     def enabled(self) -> bool:
-        return bool(self.buckets or self.multiple_of is not None or self.powers_of_two is not None)
+        rules = (self.multiple_of, self.powers_of_two, self.auto)
+        return bool(self.buckets) or any(rule is not None for rule in rules)
+
+    @property
+    def bucket_count(self) -> Optional[int]:
+        """How many buckets there will be (``auto`` too, before it has chosen); ``None`` when unbounded."""
+        if self.auto is not None:
+            return self.auto.count
+        lengths = bucket_lengths(self)
+        return None if lengths is None else len(lengths)
 
 
 @dataclass
@@ -100,7 +125,10 @@ class ShapesPolicy:
 
 
 def bucket_lengths(pad: Padding) -> Optional[List[int]]:
-    """The bucket lengths in increasing order; ``None`` when unbounded (``multiple_of`` without ``max``)."""
+    """The bucket lengths in increasing order; ``None`` when unbounded (``multiple_of`` without ``max``) or
+    chosen from the data (``auto``: ``compile_trainer.shapes.buckets``)."""
+    if pad.auto is not None:
+        return None
     if pad.buckets:
         return list(pad.buckets)
     if pad.multiple_of is not None:
@@ -119,13 +147,14 @@ def _is_power_of_two(value: int) -> bool:
 
 
 def padding_problems(pad: Padding) -> List[str]:
-    rules = [name for name in ("buckets", "multiple_of", "powers_of_two") if getattr(pad, name) not in (None, [])]
+    kinds = ("buckets", "multiple_of", "powers_of_two", "auto")
+    rules = [name for name in kinds if getattr(pad, name) not in (None, [])]
     if not rules:  # padding is off; values alone are a mistake
         if pad.values:
-            return ["shapes.pad.values are given but no buckets: give buckets, multiple_of or powers_of_two"]
+            return ["shapes.pad.values are given but no buckets: give buckets, multiple_of, powers_of_two or auto"]
         return []
     if len(rules) > 1:
-        return [f"shapes.pad: give one of buckets, multiple_of, powers_of_two, not {' and '.join(rules)}"]
+        return [f"shapes.pad: give one of {', '.join(kinds)}, not {' and '.join(rules)}"]
     if pad.buckets:
         if any(length < 1 for length in pad.buckets):
             return [f"shapes.pad.buckets must be positive lengths, got {list(pad.buckets)}"]
@@ -139,7 +168,7 @@ def padding_problems(pad: Padding) -> List[str]:
         low, high = pad.powers_of_two.min, pad.powers_of_two.max
         if not (_is_power_of_two(low) and _is_power_of_two(high) and low <= high):
             return [f"shapes.pad.powers_of_two needs powers of two with min <= max, got min={low} max={high}"]
-    problems = []
+    problems = _auto_problems(pad.auto, pad.max) if pad.auto is not None else []
     if pad.overflow not in OVERFLOW_POLICIES:
         problems.append(f"shapes.pad.overflow {pad.overflow!r} is invalid; valid: {', '.join(OVERFLOW_POLICIES)}")
     if not pad.values:
@@ -156,6 +185,16 @@ def padding_problems(pad: Padding) -> List[str]:
             )
         elif not isinstance(value, (bool, int, float)):
             problems.append(f"shapes.pad.values: pad value for entry {entry!r} must be a number or bool, got {value!r}")
+    return problems
+
+
+def _auto_problems(auto: AutoBuckets, longest: Optional[int]) -> List[str]:
+    problems = []
+    for name in ("count", "sample_batches", "multiple_of"):
+        if getattr(auto, name) < 1:
+            problems.append(f"shapes.pad.auto.{name} must be >= 1, got {getattr(auto, name)}")
+    if longest is not None and longest % max(auto.multiple_of, 1):
+        problems.append(f"shapes.pad.max ({longest}) must be a multiple of auto.multiple_of ({auto.multiple_of})")
     return problems
 
 
@@ -208,6 +247,9 @@ def describe_shapes(shapes: ShapesPolicy) -> str:
     if shapes.pad.enabled:
         buckets = bucket_lengths(shapes.pad)
         lengths = buckets if buckets is not None else f"multiples of {shapes.pad.multiple_of}"
+        if shapes.pad.auto is not None:
+            auto = shapes.pad.auto
+            lengths = f"{auto.count} chosen from the first {auto.sample_batches} training batches' lengths"
         parts.append(f"pad {', '.join(shapes.pad.values)} at dim {shapes.pad.dim} to buckets {lengths}")
     if shapes.warmup:
         parts.append("warm-up before the first step")

@@ -17,7 +17,7 @@ from compile_trainer.schema.policy import (
     OptimizerPolicy,
 )
 from compile_trainer.schema.settings import MODES
-from compile_trainer.schema.shapes import bucket_lengths, dynamic_problems, padding_problems
+from compile_trainer.schema.shapes import dynamic_problems, padding_problems
 
 
 class PolicyError(ValueError):
@@ -35,6 +35,11 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
     check_mode(where, policy.mode)
     if policy.recompile_limit < 1:
         raise PolicyError(f"{where}: recompile_limit must be >= 1, got {policy.recompile_limit}.")
+    if policy.regional_min_reuse < 0:
+        raise PolicyError(
+            f"{where}: regional_min_reuse must be >= 0 (blocks per distinct structure; 0 = always regional), "
+            f"got {policy.regional_min_reuse}."
+        )
     validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     if policy.enabled and not policy.rules and policy.optimizer.compile == "false":
         raise PolicyError(
@@ -105,12 +110,12 @@ def shape_policy_problems(policy: CompilePolicy) -> List[str]:
             "shapes.strict_recompiles needs shapes.warmup: true, or the first compile of a shape would fail"
         )
     if shapes.pad.enabled and not problems:
-        buckets = bucket_lengths(shapes.pad)
-        if buckets is None and shapes.warmup:
+        count = shapes.pad.bucket_count
+        if count is None and shapes.warmup:
             problems.append("shapes.warmup needs a finite set of buckets: give shapes.pad.max with multiple_of")
-        elif buckets is not None and any(static) and len(buckets) > policy.recompile_limit:
+        elif count is not None and any(static) and count > policy.recompile_limit:
             problems.append(
-                f"{len(buckets)} buckets compile {len(buckets)} static graphs per region, more than "
+                f"{count} buckets compile {count} static graphs per region, more than "
                 f"recompile_limit ({policy.recompile_limit}); past it a region silently runs eagerly. "
                 "Raise recompile_limit or use fewer buckets"
             )

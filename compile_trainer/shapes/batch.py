@@ -15,11 +15,12 @@ from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import keystr, tree_flatten_with_path
 from torch.utils.data import default_collate
 
 from compile_trainer import compat
 from compile_trainer.schema.shapes import ROLE_NAMES, ShapesPolicy, bucket_lengths, role_of
+from compile_trainer.shapes.buckets import LengthSample, choose_buckets, padding_overhead
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,12 @@ def _check_value(path: str, tensor: torch.Tensor, value: Any) -> None:
         raise ShapeError(f"pad value {value!r} for batch entry {path!r} does not fit its dtype {tensor.dtype}")
 
 
+def _rows(entries: Dict[str, torch.Tensor], dims: Dict[str, int]) -> int:
+    """Rows (sequences) of a batch padded along ``dims``: the product of the first entry's leading sizes."""
+    path, tensor = next(iter(entries.items()))
+    return int(torch.Size(tensor.shape[: dims[path]]).numel())
+
+
 class BatchShaper:
     """Applies a ``ShapesPolicy`` to batches: ``shaper(batch)`` pads, then marks; both also work alone.
 
@@ -183,10 +190,13 @@ class BatchShaper:
         self.declared = self.shapes = shapes
         self.resolved: Optional[Dict[str, str]] = None  # role -> the batch's entry, once resolved
         self.buckets = bucket_lengths(shapes.pad) if shapes.pad.enabled else None
+        self.expected_padding_overhead: Optional[float] = None  # of buckets chosen from the data
+        self.real_positions = self.padded_positions = 0  # along the padded dim, over the batches padded
         # (dim, size) of the last marked batch's dynamic dimensions, and the ids of its marked tensors
         # (alive while that batch is in use, so an id cannot be another tensor's meanwhile)
         self.dynamic_sizes: Set[Tuple[int, int]] = set()
         self._marked: Set[int] = set()
+        self._region_dims: Dict[Tuple[str, str], List[int]] = {}  # (region, input path) -> dims it marks
 
     def __call__(self, batch: Any) -> Any:
         return self.mark(self.pad(batch))
@@ -218,9 +228,40 @@ class BatchShaper:
         if found:
             log.info("shapes: %s", ", ".join(f"{role} is {name or 'not in the batch'}" for role, name in found.items()))
 
+    def length_of(self, batch: Any) -> LengthSample:
+        """The batch's length along the padded dimension (its longest padded entry) and its rows."""
+        self.resolve(batch)
+        entries, dims, longest = self._padded_entries(batch)
+        return LengthSample(longest, _rows(entries, dims))
+
+    def choose_buckets(self, samples: List[LengthSample]) -> List[int]:
+        """``shapes.pad.auto``: the buckets that pad ``samples`` (observed batch lengths) least."""
+        auto, pad = self.shapes.pad.auto, self.shapes.pad
+        if auto is None:
+            raise ValueError("choose_buckets is for shapes.pad.auto; this policy gives its buckets")
+        if pad.max is not None and max(s.length for s in samples) > pad.max:
+            pad = dataclasses.replace(pad, max=None)  # batches already overflow: the buckets hold what was seen
+        self.buckets = choose_buckets(samples, auto.count, auto.multiple_of, pad.max)
+        self.expected_padding_overhead = padding_overhead(samples, self.buckets)
+        return self.buckets
+
+    def padding_summary(self) -> Dict[str, Any]:
+        """Bucket lengths and the padding they cost: expected (from the observed lengths) and measured."""
+        measured = self.padded_positions / self.real_positions - 1 if self.real_positions else None
+        return {
+            "buckets": list(self.buckets) if self.buckets is not None else None,
+            "expected_padding_overhead": self.expected_padding_overhead,
+            "padding_overhead": measured,
+        }
+
     def bucket_for(self, length: int) -> Optional[int]:
         """The smallest bucket that holds ``length``; ``None`` when it is longer than every bucket."""
         pad = self.shapes.pad
+        if self.buckets is None and pad.auto is not None:
+            raise ShapeError(
+                "shapes.pad.auto has not chosen its buckets yet: call BatchShaper.choose_buckets with observed "
+                "batch lengths first (CompileCallback does, from the first training batches)"
+            )
         if self.buckets is None:
             return -(-length // pad.multiple_of) * pad.multiple_of
         return next((bucket for bucket in self.buckets if bucket >= length), None)
@@ -231,9 +272,7 @@ class BatchShaper:
         pad = self.shapes.pad
         if not pad.enabled:
             return batch
-        entries = {path: get_entry(batch, path) for path in pad.values}
-        dims = {path: _check_dim(path, t, pad.dim, batch) for path, t in entries.items()}
-        longest = max(t.shape[dims[path]] for path, t in entries.items())
+        entries, dims, longest = self._padded_entries(batch)
         self._check_undeclared(batch, entries, dims, longest)
         if length is None:
             length = self.bucket_for(longest)
@@ -244,11 +283,20 @@ class BatchShaper:
                     "or set overflow: truncate to cut such batches"
                 )
             length = self.buckets[-1] if length is None else length
+            rows = _rows(entries, dims)
+            self.real_positions += rows * min(longest, length)
+            self.padded_positions += rows * length
         padded = {}
         for path, tensor in entries.items():
             _check_value(path, tensor, pad.values[path])
             padded[path] = pad_to_length(tensor, dims[path], length, pad.values[path])
         return replace_entries(batch, padded)
+
+    def _padded_entries(self, batch: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, int], int]:
+        pad = self.shapes.pad
+        entries = {path: get_entry(batch, path) for path in pad.values}
+        dims = {path: _check_dim(path, t, pad.dim, batch) for path, t in entries.items()}
+        return entries, dims, max(t.shape[dims[path]] for path, t in entries.items())
 
     def _check_undeclared(
         self, batch: Any, entries: Dict[str, torch.Tensor], dims: Dict[str, int], length: int
@@ -288,30 +336,45 @@ class BatchShaper:
             self.dynamic_sizes.add((dim, size))
         return batch
 
-    def mark_region_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Mark each tensor a compiled region gets (nested in tuples, lists and dicts too) dynamic at every dim
-        where it has a dynamic size of the batch at the same position: hidden states (B, T, H), position ids
-        (1, T), rotary tables (1, T, D) that the model derives from the batch inside other regions.
+    def mark_region_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], region: str = "") -> None:
+        """Mark each tensor a compiled region gets (nested in tuples, lists and dicts too) dynamic at the dims
+        that carry the batch's dynamic sizes: hidden states (B, T, H), position ids (1, T), rotary tables
+        (1, T, D), a 4-D attention mask (B, 1, T, T), which the model derives from the batch inside other regions.
 
-        Dimension by dimension, since a derived tensor keeps some of the batch's dims and not others; at the same
-        position only, since Dynamo gives equal sizes one symbol (a hidden size equal to this step's length would
-        be tied to it). ``maybe_mark_dynamic``: a dimension the region's code needs static is specialized without
-        an error.
+        Which dims, is decided at the region's first call and kept (per input, by its place in the call): a
+        batch size (dim 0) marks dim 0 only; a length (a later dim) marks every dim of its size, since a model
+        moves and repeats it. Kept, because Dynamo guards that a call marks no dim its graph was not compiled
+        dynamic in: a later length equal to a hidden size must not mark that dim. A static size equal to the
+        length at the first call (a head dim of 128 at length 128) gets the length's symbol and can pin it: one
+        more compile. ``maybe_mark_dynamic``: a dim the region's code needs static is specialized, no error.
         """
         if not self.dynamic_sizes:
             return
-        for value in tree_leaves((args, kwargs)):
+        lengths = {size for dim, size in self.dynamic_sizes if dim > 0}
+        leaves, _ = tree_flatten_with_path((args, kwargs))
+        for path, value in leaves:
             if not isinstance(value, torch.Tensor) or id(value) in self._marked:
                 continue
-            dims = sorted({dim for dim, size in self.dynamic_sizes if dim < value.dim() and value.shape[dim] == size})
+            key = (region, keystr(path))
+            if key not in self._region_dims:
+                shape = value.shape
+                self._region_dims[key] = [
+                    d for d in range(value.dim()) if (d, shape[d]) in self.dynamic_sizes or shape[d] in lengths
+                ]
+            dims = [d for d in self._region_dims[key] if d < value.dim() and value.shape[d] >= 2]
             if dims:
                 compat.maybe_mark_dynamic(value, dims)
 
     def warmup_batches(self, batch: Any) -> List[Any]:
-        """Batches made from ``batch`` that together compile every bucket (just ``batch`` without buckets)."""
-        if self.buckets is None:
+        """Batches made from ``batch`` that together compile every bucket (just ``batch`` without buckets).
+
+        Each ends in at least one padded position, as a batch shorter than its bucket does: a model may take
+        another path for a batch without padding (Hugging Face's attention drops an all-ones mask).
+        """
+        if self.buckets is None and self.shapes.pad.auto is None:
             return [self(batch)]
-        return [self.mark(self.pad(batch, length)) for length in self.buckets]
+        self.bucket_for(0)  # auto buckets must have been chosen
+        return [self.mark(self.pad(self.pad(batch, max(length - 1, 1)), length)) for length in self.buckets]
 
 
 class PadCollate:

@@ -44,7 +44,7 @@ class MarkRegionInputs:
         self.shaper = shaper
 
     def __call__(self, item: CompiledRegion, proceed: Callable[..., Any], args: Tuple, kwargs: Dict[str, Any]) -> Any:
-        self.shaper.mark_region_inputs(args, kwargs)
+        self.shaper.mark_region_inputs(args, kwargs, item.entry_name)
         return proceed(*args, **kwargs)
 
 

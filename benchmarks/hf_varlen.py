@@ -1,0 +1,237 @@
+"""Variable-length batches on a Hugging Face Llama: plain ``torch.compile`` vs the bundled shape policies.
+
+The stream: ``--steps`` batches of 8 rows, each batch of one length drawn uniformly from 64..1024 (seeded); within
+a batch, rows after the first are shorter (uniform in half..all of it), padded at the end as a collator pads them
+(``input_ids`` 0, ``attention_mask`` 0, ``labels`` -100). The model: ``LlamaForCausalLM`` of the regional issue
+(vocab 32000, hidden 1024, 16 layers; random weights, ``use_cache=False``), bf16 autocast, fused AdamW, loss
+from ``labels=``. Each variant runs in a fresh process with empty compile caches; total time counts every
+compile and warm-up, as a user pays it.
+
+    python benchmarks/hf_varlen.py                       # GPU: every variant, benchmarks/results/hf_varlen.json
+    python benchmarks/hf_varlen.py --smoke --out /tmp/x  # CPU, tiny model, aot_eager
+
+Variants:
+- ``plain``: ``torch.compile(model)``, batches as they come.
+- ``dynamic``: the bundled ``dynamic`` policy (entries by role, region inputs marked like the batch).
+- ``buckets``: the bundled ``buckets`` policy with buckets 128/256/512/1024, every bucket compiled first.
+- ``buckets_auto``: the bundled ``buckets_auto`` policy: 4 buckets chosen from the first 64 batches' lengths.
+- ``fixed_length``: the same real tokens packed into full rows of 1024, ``torch.compile(model)``: the reference
+  for throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import environment, format_table, synchronize, write_result  # noqa: E402
+from benchmarks.real_models import build_model, fresh_compiler_state  # noqa: E402
+from compile_trainer import compat  # noqa: E402
+from compile_trainer.compiling.regions import apply_policy  # noqa: E402
+from compile_trainer.schema import to_policy  # noqa: E402
+from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
+from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
+
+VARIANTS = ["plain", "dynamic", "buckets", "buckets_auto", "fixed_length"]
+FIXED_BUCKETS = [128, 256, 512, 1024]
+COLUMNS = [
+    "variant", "total_s", "vs_plain_total", "compile_s", "warmup_s", "steady_real_tokens_per_s", "vs_fixed_length",
+    "graphs", "recompiles_after_warmup", "padding", "buckets",
+]  # fmt: skip
+
+
+class Root(nn.Module):
+    """The model under ``model``, as in a LightningModule, so the bundled rules (``name: "*"``) match it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+
+def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]]:
+    rng = random.Random(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    batches = []
+    for _ in range(args.steps):
+        length = rng.randint(args.min_length, args.max_length)
+        ids = torch.randint(1, vocab, (args.batch_size, length), generator=generator)
+        mask = torch.ones_like(ids)
+        for row in range(1, args.batch_size):
+            mask[row, rng.randint(length // 2, length) :] = 0
+        ids = ids * mask
+        labels = ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> List[Dict[str, torch.Tensor]]:
+    """The same real tokens in full rows of ``max_length``: the fixed-length reference."""
+    tokens = torch.cat([b["input_ids"][b["attention_mask"] == 1] for b in batches])
+    per_batch = args.batch_size * args.max_length
+    count = math.ceil(tokens.numel() / per_batch)
+    tokens = torch.cat([tokens, tokens[: count * per_batch - tokens.numel()]]).view(count, args.batch_size, -1)
+    return [{"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()} for t in tokens]
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+    device = torch.device("cpu" if args.smoke else "cuda")
+    torch.manual_seed(0)
+    model, _, vocab = build_model("llama", args.smoke)
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    batches = stream(args, vocab)
+    if variant == "fixed_length":
+        batches = packed(batches, args)
+    shaper, forward, policy = None, model, None
+    if variant in ("plain", "fixed_length"):
+        forward = torch.compile(model, backend=args.backend)
+    else:
+        overrides = {"backend": args.backend}
+        if variant == "buckets":
+            overrides["shapes"] = {"pad": {"buckets": [b * args.max_length // 1024 for b in FIXED_BUCKETS]}}
+        if variant == "buckets_auto":
+            overrides["shapes"] = {"pad": {"max": args.max_length}}
+        policy = to_policy(variant, **overrides)
+        applied = apply_policy(Root(model), policy, device=device)
+        shaper = BatchShaper(policy.shapes)
+        RegionShapeInterceptors(applied, shaper)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def train_step(batch: Dict[str, torch.Tensor]) -> None:
+        with autocast:
+            loss = forward(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def compiles() -> int:
+        return len(list(compat.compilation_metrics()))
+
+    synchronize(device)
+    started = time.perf_counter()
+    warmup_s = 0.0
+    if shaper is not None and policy.shapes.pad.auto is not None:
+        shaper.choose_buckets([shaper.length_of(b) for b in batches[: policy.shapes.pad.auto.sample_batches]])
+    if shaper is not None and policy.shapes.warmup:
+        # What CompileCallback's warm-up does: a forward and backward per bucket, before the first step (here
+        # without the optimizer step, so that the weights stay as they were).
+        for warm in shaper.warmup_batches({k: v.to(device) for k, v in batches[0].items()}):
+            with autocast:
+                forward(**warm).loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        warmup_s = time.perf_counter() - started
+    warmed = compiles() if shaper is not None and policy.shapes.warmup else None
+    steady_tokens, steady_s, real, positions = 0, 0.0, 0, 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        real += int(batch["attention_mask"].sum())
+        if shaper is not None:
+            batch = shaper(batch)
+        positions += batch["input_ids"].numel()
+        before, step_started = compiles(), time.perf_counter()
+        train_step(batch)
+        synchronize(device)
+        if compiles() == before:
+            steady_tokens += int(batch["attention_mask"].sum())
+            steady_s += time.perf_counter() - step_started
+    total = time.perf_counter() - started
+    metrics = list(compat.compilation_metrics())
+    return {
+        "variant": variant,
+        "total_s": total,
+        "compile_s": sum((getattr(m, "duration_us", None) or 0) for m in metrics) / 1e6,
+        "warmup_s": warmup_s,
+        "steady_real_tokens_per_s": steady_tokens / steady_s if steady_s else None,
+        "graphs": compat.unique_graphs(),
+        # after a warm-up every compile is one too many; else a frame's compiles after its first
+        "recompiles_after_warmup": len(metrics) - warmed if warmed is not None else len(frame_recompiles(metrics)),
+        "padding": positions / real - 1,
+        "buckets": shaper.buckets if shaper is not None else None,
+        "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in frame_recompiles(metrics)][:10],
+        "steps": len(batches),
+        "real_tokens": real,
+    }
+
+
+def frame_recompiles(metrics: List[Any]) -> List[Any]:
+    """Compiles of a frame that already had compiled code (compile id "frame/attempt", attempt > 0)."""
+    return [m for m in metrics if not str(m.compile_id).endswith("/0")]
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    by_name = {row["variant"]: row for row in rows if "error" not in row}
+    for row in by_name.values():
+        if "plain" in by_name:
+            row["vs_plain_total"] = row["total_s"] / by_name["plain"]["total_s"]
+        reference = by_name.get("fixed_length", {}).get("steady_real_tokens_per_s")
+        if reference and row["steady_real_tokens_per_s"]:
+            row["vs_fixed_length"] = row["steady_real_tokens_per_s"] / reference
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_varlen.json")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--min-length", type=int, default=64)
+    parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, aot_eager, 8 steps")
+    parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.batch_size, args.min_length, args.max_length, args.backend = 8, 2, 8, 64, "aot_eager"
+    if args.worker:
+        with fresh_compiler_state():
+            print(json.dumps(run_variant(args.worker, args)))
+        return
+    notes = [
+        f"{args.steps} steps, batch {args.batch_size}, batch lengths uniform in {args.min_length}..{args.max_length} "
+        f"(seed {args.seed}), rows after the first shorter, padded at the end; HF Llama (16 layers, d 1024, vocab "
+        "32000), bf16 autocast, fused AdamW; each variant in a fresh process with empty caches",
+        "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
+        "steady_real_tokens_per_s: real (unmasked) tokens over the steps that compiled nothing; padding: positions "
+        "/ real tokens - 1 (the collator's own padding included); recompiles_after_warmup: compiles after warm-up "
+        "(plain: after its first)",
+        "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
+        f"environment: {json.dumps(environment())}",
+    ]
+    title = "Variable-length batches on HF Llama: plain torch.compile vs dynamic vs buckets"
+    rows = []
+    for variant in args.variants:
+        command = [sys.executable, __file__, "--worker", variant] + sys.argv[1:]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.variant_timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({"variant": variant, "error": f"over --variant-timeout {args.variant_timeout} s"})
+            continue
+        if done.returncode != 0:
+            rows.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
+            print(f"{variant}: failed\n{done.stderr[-3000:]}", flush=True)
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
+        add_ratios(rows)
+        write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)  # after each: a cut-short run keeps its rows
+    print(format_table(COLUMNS, rows))
+
+
+if __name__ == "__main__":
+    main()

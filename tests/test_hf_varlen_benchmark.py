@@ -1,0 +1,23 @@
+"""The variable-length HF Llama GPU benchmark's CPU smoke mode: every variant side by side, in fresh processes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
+    out = tmp_path / "hf_varlen.json"
+    variants = ["dynamic", "buckets_auto", "fixed_length"]
+    command = [sys.executable, "benchmarks/hf_varlen.py", "--smoke", "--out", str(out), "--variants", *variants]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "vs_fixed_length" in result.stdout, "the side-by-side table is printed"
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == variants and not any("error" in row for row in rows.values()), rows
+    auto = rows["buckets_auto"]
+    assert len(auto["buckets"]) == 4 and auto["buckets"][-1] <= 64 and auto["recompiles_after_warmup"] == 0
+    assert rows["fixed_length"]["padding"] == 0 and rows["fixed_length"]["vs_fixed_length"] == 1
+    assert rows["dynamic"]["buckets"] is None and rows["dynamic"]["steady_real_tokens_per_s"] > 0
