@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 from torch._dynamo import register_backend
 from torch._dynamo.utils import counters, get_compilation_metrics
 
@@ -59,8 +60,10 @@ def groups_of(model: nn.Module):
     ]
 
 
-def train(model, optimizer, scheduler, steps, first_step=0):
-    """``steps`` closure steps on data that depends only on the step number (so runs can resume)."""
+def train(model, optimizer, scheduler, steps, first_step=0, clip=None):
+    """``steps`` closure steps on data that depends only on the step number (so runs can resume); ``clip``:
+    a function of the parameters the closure calls after backward (eager clipping, as Lightning does)."""
+    norms = []
     for step in range(first_step, first_step + steps):
         inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
 
@@ -68,12 +71,15 @@ def train(model, optimizer, scheduler, steps, first_step=0):
             optimizer.zero_grad()
             loss = model(inputs).pow(2).mean()
             loss.backward()
+            if clip is not None:
+                norms.append(clip(model.parameters()))
             return loss
 
         loss = optimizer.step(closure)
         assert loss is not None and loss.requires_grad, "step returns the closure's loss, computed with grad"
         if scheduler is not None:
             scheduler.step()
+    return norms
 
 
 def assert_same_params(a: nn.Module, b: nn.Module, atol: float = 1e-6):
@@ -127,18 +133,22 @@ def test_parameters_match_eager_with_warmup_cosine(name):
     assert len(compiles.compile_ids()) == 1
 
 
-def test_inductor_step_never_recompiles_over_200_scheduled_steps():
-    """OneCycleLR warms up and anneals (cosine) the LR and cycles beta1 on every step: one compile, no more."""
-    steps = 200
+def test_inductor_step_with_clipping_never_recompiles_over_200_scheduled_steps():
+    """OneCycleLR warms up and anneals (cosine) the LR and cycles beta1 on every step, and the gradients are
+    clipped by norm in the same compiled function: one compile, no more, and the same parameters as eager."""
+    steps, max_norm = 200, 0.05
     eager, compiled = tiny_model(), tiny_model()
     schedules = []
     for model in (eager, compiled):
         optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
         schedules.append(torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps))
-    step = compile_optimizer(schedules[1].optimizer, {"compile": "true"}, backend="inductor")
+    policy = {"compile": "true", "clip_grad_norm": max_norm}
+    step = compile_optimizer(schedules[1].optimizer, policy, backend="inductor")
     graphs_before, compiles = counters["stats"]["unique_graphs"], CompileLog(step.entry_name)
-    train(eager, schedules[0].optimizer, schedules[0], steps)
+    norms = train(eager, schedules[0].optimizer, schedules[0], steps, clip=lambda ps: clip_grad_norm_(ps, max_norm))
     train(compiled, schedules[1].optimizer, schedules[1], steps)
+    assert 0 < sum(n > max_norm for n in norms) < steps, "steps with and without clipping"
+    assert torch.allclose(step.grad_norm, norms[-1], rtol=1e-5), "the last step's total norm, as clip_grad_norm_"
 
     ids = compiles.compile_ids()
     assert len(ids) == 1 and ids[0].endswith("/0"), f"one compile, no recompile: {ids}"
@@ -147,6 +157,62 @@ def test_inductor_step_never_recompiles_over_200_scheduled_steps():
     betas = {g["betas"][0] for g in schedules[1].optimizer.param_groups}
     assert schedules[1].optimizer.param_groups[0]["lr"] < 1e-3 and betas != {0.9}, "the schedule really moved"
     assert_same_params(eager, compiled, atol=1e-5)
+
+
+@pytest.mark.parametrize("clipping", ["clip_grad_norm", "clip_grad_value"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam-amsgrad", "SGD-nesterov"])
+def test_clipping_in_the_step_matches_eager_clip_then_step(name, clipping):
+    limit = {"clip_grad_norm": 0.05, "clip_grad_value": 0.01}[clipping]
+    eager_clip = {"clip_grad_norm": clip_grad_norm_, "clip_grad_value": clip_grad_value_}[clipping]
+    eager = tiny_model()
+    optimizer = OPTIMIZERS[name](groups_of(eager))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    norms = train(eager, optimizer, scheduler, STEPS, clip=lambda ps: eager_clip(ps, limit))
+
+    compiled = tiny_model()
+    optimizer = OPTIMIZERS[name](groups_of(compiled))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    step = compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager", clipping: limit})
+    train(compiled, optimizer, scheduler, STEPS)
+
+    assert_same_params(eager, compiled)
+    assert (step.eager_steps, step.compiled_steps) == (1, STEPS - 1)
+    assert len(step.layout.segments) == 2, "one flat segment per param group"
+    if clipping == "clip_grad_norm":
+        assert torch.allclose(step.grad_norm, norms[-1], rtol=1e-5)
+        assert max(norms) > limit, "clipping was active"
+
+
+def test_parameters_and_state_are_views_of_flat_buffers_and_missing_gradients_fall_back():
+    model = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    step = compile_optimizer(optimizer, {"compile": "true", "backend": "eager"})
+    train(model, optimizer, None, 3)
+    segment = step.layout.segments[0]
+    for param in segment.params:
+        assert param.untyped_storage().data_ptr() == segment.param.untyped_storage().data_ptr()
+        assert param.grad.untyped_storage().data_ptr() == segment.grad.untyped_storage().data_ptr()
+        state = optimizer.state[param]
+        assert state["exp_avg"].untyped_storage().data_ptr() == segment.state[0].untyped_storage().data_ptr()
+        assert state["step"].shape == () and float(state["step"]) == 3.0
+    assert (step.eager_steps, step.compiled_steps) == (1, 2)
+
+    reference = tiny_model()
+    reference_optimizer = OPTIMIZERS["AdamW"](groups_of(reference))
+    train(reference, reference_optimizer, None, 3)
+    last = list(model.parameters())[-1]
+    for net, opt in ((model, optimizer), (reference, reference_optimizer)):
+        opt.zero_grad()
+        net(torch.ones(2, 8)).sum().backward()
+        list(net.parameters())[-1].grad = None  # a parameter without a gradient this step: Adam skips it
+        opt.step()
+    assert step.eager_steps == 2 and "parameters without a gradient: group 1 (4,)" in step.eager_reasons
+    assert_same_params(reference, model)
+    assert float(optimizer.state[last]["step"]) == 3.0 and float(optimizer.state[model[0].weight]["step"]) == 4.0
+    train(model, optimizer, None, 1, first_step=5)
+    train(reference, reference_optimizer, None, 1, first_step=5)
+    assert "param group 1: parameters have different step counts" in step.eager_reasons, "its own step, still exact"
+    assert_same_params(reference, model)
 
 
 def test_plateau_schedule_and_changed_weight_decay_do_not_recompile():

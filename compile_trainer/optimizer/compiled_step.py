@@ -179,6 +179,7 @@ class CompiledOptimizerStep:
             torch.nn.utils.clip_grad_value_(params, max_value)
         type(self.optimizer).step(self.optimizer)
         self.eager_steps += 1
+        self.layout.bound = False  # state it created, or step counts it left unequal, are checked again
 
     def compiled_update(self) -> None:
         optimizer = self.optimizer
@@ -343,6 +344,21 @@ def compile_optimizers(
             algorithm_for(optimizer)
     steps = [compile_optimizer(optimizer, policy, backend, on_choice) for optimizer in optimizers]
     return [step for step in steps if step is not None]
+
+
+def take_over_clipping(steps: Sequence[CompiledOptimizerStep], max_value: float, algorithm: str = "norm") -> None:
+    """Clip inside each step as a trainer-level setting asks (Lightning's ``gradient_clip_val`` and
+    ``gradient_clip_algorithm``: ``norm`` or ``value``); the caller then turns the trainer's own clipping off."""
+    if algorithm not in ("norm", "value"):
+        raise PolicyError(f"gradient clipping algorithm {algorithm!r}: valid algorithms are norm, value.")
+    wanted = (float(max_value), None) if algorithm == "norm" else (None, float(max_value))
+    for step in steps:
+        if step.clip not in ((None, None), wanted):
+            raise PolicyError(
+                f"optimizer {type(step.optimizer).__name__}: the policy's optimizer section clips by {step.clipping} "
+                f"and the trainer asks to clip by {algorithm} {max_value:g}; set one of them."
+            )
+        step.set_clipping(*wanted)
 
 
 def describe_steps(steps: Sequence[CompiledOptimizerStep]) -> str:
