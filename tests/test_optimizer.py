@@ -311,6 +311,28 @@ def test_auto_times_candidates_keeps_the_fastest_and_updates_stay_equal():
     assert_same_params(eager, model)
 
 
+@pytest.mark.parametrize("candidates", [["foreach"], ["fused", "compiled"]])
+def test_auto_with_clipping_keeps_clipping_whichever_candidate_wins(candidates):
+    eager = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    train(eager, optimizer, scheduler, STEPS, clip=lambda ps: clip_grad_norm_(ps, 0.05))
+
+    model = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    policy = {"compile": "auto", "auto_candidates": candidates, "auto_steps": 3, "backend": "aot_eager"}
+    policy["clip_grad_norm"] = 0.05
+    step = compile_optimizer(optimizer, policy)
+    train(model, optimizer, scheduler, STEPS)
+    assert step.choice.chosen in candidates and optimizer.step is step, "an eager winner runs behind the step"
+    if step.choice.chosen != "compiled":
+        trial_steps = 1 + policy["auto_steps"] if "compiled" in candidates else 0  # its warm-up and timed steps
+        assert step.eager_choice == step.choice.chosen and step.compiled_steps == trial_steps
+        assert all(g[step.choice.chosen] for g in optimizer.param_groups)
+    assert_same_params(eager, model)
+
+
 def test_auto_with_one_eager_candidate_restores_the_optimizer_step():
     model = tiny_model()
     optimizer = OPTIMIZERS["SGD-nesterov"](groups_of(model))
@@ -430,6 +452,36 @@ def test_lightning_closure_accumulation_clipping_and_bf16_match_eager():
     assert trainer.optimizers[0].param_groups[0]["lr"] != 1e-3, "the LR schedule ran"
     row = callback.telemetry.compile.regions["optimizer_step_AdamW"]
     assert (row.compiles, row.recompiles) == (1, 0), "the telemetry attributes the optimizer's compile to it"
+
+
+def test_lightning_gradient_clip_val_clips_once_inside_the_compiled_step(monkeypatch):
+    """The Trainer's clipping moves into the compiled step: Lightning does not clip a second time, the updates
+    match Lightning's eager clipping, and the step's total gradient norm is there to log."""
+    clips = []
+    clip_grad_norm = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: clips.append(1) or clip_grad_norm(*a, **k))
+    _, eager, _ = fit(gradient_clip_val=0.05)
+    assert len(clips) == 4, "Lightning clips once per step eagerly"
+    clips.clear()
+    trainer, compiled, callback = fit(OPTIMIZER_ONLY, gradient_clip_val=0.05)
+    step = callback.optimizer_steps[0]
+    assert (step.eager_steps, step.compiled_steps) == (1, 3) and step.clip == (0.05, None)
+    assert len(clips) == step.eager_steps, "clip_grad_norm_ only in the state-creating eager step, not by Lightning"
+    assert trainer.gradient_clip_val == 0.05, "the Trainer's setting is restored at teardown"
+    assert_same_params(eager, compiled)
+    grads = [p.grad for p in compiled.parameters()]  # the last step's gradients, left unclipped
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert norm > 0.05 and torch.allclose(step.grad_norm, norm, rtol=1e-5)
+
+
+def test_clipping_declared_twice_and_differently_is_an_error_before_training():
+    policy = {**OPTIMIZER_ONLY, "optimizer": {"compile": "true", "clip_grad_norm": 1.0}}
+    with pytest.raises(PolicyError, match="clips by norm 1 and the trainer asks to clip by value 0.5; set one"):
+        fit(policy, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    with pytest.raises(PolicyError, match="give clip_grad_norm or clip_grad_value, not both"):
+        to_policy({"enabled": False, "optimizer": {"clip_grad_norm": 1.0, "clip_grad_value": 1.0}})
+    with pytest.raises(PolicyError, match=r"clip_grad_value must be > 0 \(or null: no clipping\), got -1"):
+        to_policy({"enabled": False, "optimizer": {"clip_grad_value": -1}})
 
 
 def test_lightning_manual_optimization_matches_eager():
