@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 from torch._dynamo import register_backend
 from torch._dynamo.utils import counters, get_compilation_metrics
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 from compile_trainer import CompileCallback, PolicyError, to_policy
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer
