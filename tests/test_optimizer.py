@@ -522,13 +522,17 @@ def test_benchmark_smoke_runs_without_config_packages(tmp_path):
     command = [sys.executable, "-c", WITHOUT_CONFIG_PACKAGES, "benchmarks/optimizer.py", "--smoke", "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "compile_trainer auto: chose" in result.stdout
+    assert "compile_trainer auto + clip: chose" in result.stdout
     data = json.loads(out.read_text())
     rows = {row["variant"]: row for row in data["rows"]}
-    expected = {"foreach", "fused", "torch.compile(opt.step)", "compile_trainer", "compile_trainer auto", "copy floor"}
+    expected = {"foreach", "fused", "fused + clip", "torch.compile(opt.step)", "torch.compile(opt.step) + clip"}
+    expected |= {"compile_trainer", "compile_trainer + clip", "compile_trainer auto + clip", "copy floor"}
     assert set(rows) == expected and data["benchmark"] == "optimizer"
     assert not any(row.get("error") for row in rows.values()), [row.get("error") for row in rows.values()]
-    ours = rows["compile_trainer"]
-    assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["max_abs_diff_vs_foreach"] < 1e-5
-    assert ours["compiled_steps"] == 19 and ours["step_ms"] > 0 and ours["vs_fused"] > 0
-    assert rows["compile_trainer auto"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}
+    for name in ("compile_trainer", "compile_trainer + clip"):
+        ours = rows[name]
+        assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["compiled_steps"] == 19
+        assert ours["max_rel_diff_at_100"] < 1e-5 and ours["max_abs_diff"] < 1e-5, "same as fused (with clipping)"
+        assert ours["step_ms"] > 0 and ours["vs_fused"] > 0
+    assert rows["fused + clip"]["max_abs_diff"] == 0.0, "the clipped rows' reference"
+    assert rows["compile_trainer auto + clip"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}

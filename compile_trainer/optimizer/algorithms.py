@@ -53,16 +53,19 @@ def _adam_update(
         lr, beta1, beta2, eps, weight_decay = hyper[row].unbind()
         steps.add_(1)  # every parameter of a segment has the same count (flat.py checks)
         step = steps[0].to(hyper.dtype)
-        step_size = lr / (1 - beta1**step)
-        bias_correction2_sqrt = (1 - beta2**step).sqrt()
+        # Scalars in float64 (as torch's Python floats), then float32 for the elementwise work (as its kernels).
+        step_size, bias_correction2_sqrt, decay, weight_decay, avg_weight, beta2, sq_weight, eps = torch.stack(
+            [lr / (1 - beta1**step), (1 - beta2**step).sqrt(), 1 - lr * weight_decay, weight_decay, 1 - beta1]
+            + [beta2, 1 - beta2, eps]
+        ).float()
         if maximize:
             grad = -grad
         if decoupled:
-            param.mul_(1 - lr * weight_decay)
+            param.mul_(decay)
         else:
             grad = grad + weight_decay * param
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
+        exp_avg.lerp_(grad, avg_weight)
+        exp_avg_sq.mul_(beta2).add_(sq_weight * grad * grad)
         if amsgrad:
             segment[4].copy_(torch.maximum(segment[4], exp_avg_sq))
             exp_avg_sq = segment[4]
@@ -83,12 +86,13 @@ def _sgd_update(
         has_momentum, nesterov, maximize = flags[row]
         param = segment[0]
         lr, momentum, dampening, weight_decay = hyper[row].unbind()
+        lr, momentum, grad_weight, weight_decay = torch.stack([lr, momentum, 1 - dampening, weight_decay]).float()
         if maximize:
             grad = -grad
         grad = grad + weight_decay * param
         if has_momentum:
             buf = segment[2]
-            buf.mul_(momentum).add_((1 - dampening) * grad)
+            buf.mul_(momentum).add_(grad_weight * grad)
             grad = grad + momentum * buf if nesterov else buf
         param.sub_(lr * grad)
 
