@@ -197,6 +197,13 @@ def test_parameters_and_state_are_views_of_flat_buffers_and_missing_gradients_fa
         assert state["step"].shape == () and float(state["step"]) == 3.0
     assert (step.eager_steps, step.compiled_steps) == (1, 2)
 
+    optimizer.zero_grad()  # set_to_none: backward makes new gradients, which the hooks gather into the buffer
+    model(torch.ones(2, 8)).sum().backward()
+    assert all(p.grad is view for p, view in zip(segment.params, segment.grad_views))
+    gathered = segment.grad.clone()
+    model(torch.ones(2, 8)).sum().backward()
+    assert torch.equal(segment.grad, 2 * gathered), "a second backward accumulates in place"
+
     reference = tiny_model()
     reference_optimizer = OPTIMIZERS["AdamW"](groups_of(reference))
     train(reference, reference_optimizer, None, 3)

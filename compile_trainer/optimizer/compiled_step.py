@@ -210,6 +210,7 @@ class CompiledOptimizerStep:
             optimizer.step = self._original_step
         compat.set_step_handles_amp_scaling(optimizer, any(g.get("fused") for g in optimizer.param_groups))
         self._load_hook.remove()
+        self.layout.remove_hooks()
 
     def _write_hyper(self) -> Tuple[Tuple[bool, ...], ...]:
         groups = self.optimizer.param_groups
@@ -254,6 +255,7 @@ class CompiledOptimizerStep:
                 group["fused"], group["foreach"] = fused, foreach
         else:
             self.set_eager_flags(choice.chosen)
+            self.layout.remove_hooks()  # torch's step reads the gradients where backward leaves them
             if self.clip == (None, None):
                 self.remove()
             else:

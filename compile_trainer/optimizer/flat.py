@@ -4,9 +4,11 @@ parameters of one device and dtype) is a view into one contiguous buffer per rol
 The compiled update then reads a handful of flat tensors (few kernels, few guards, a short compile) while the
 model and the optimizer keep their own objects: parameters stay the same ``nn.Parameter`` (their ``data`` is a
 view), and ``optimizer.state[p]`` holds standard tensors (views), so ``state_dict`` is the optimizer's own.
-Gradients arrive from backward as new tensors (Lightning and ``zero_grad`` set them to ``None``); each step
-copies them into the flat gradient buffer with one multi-tensor copy and leaves ``p.grad`` a view of it, so
-accumulation over several backwards adds in place.
+Gradients arrive from backward as new tensors (Lightning and ``zero_grad`` set them to ``None``): a
+post-accumulate-grad hook on each parameter copies its gradient into the flat gradient buffer as soon as backward
+produces it (freeing the new tensor at once, so gradients take no more memory than without the layout) and leaves
+``p.grad`` a view of the buffer, so accumulation over several backwards adds in place. Gradients set by hand
+are gathered at the step with one multi-tensor copy.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+
+def _gather_into(view: Tensor):
+    def gather(param: Tensor) -> None:
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    return gather
 
 
 def _views(flat: Tensor, tensors: Sequence[Tensor]) -> List[Tensor]:
@@ -68,6 +79,16 @@ class FlatLayout:
                 grad = torch.zeros_like(flat)
                 self.segments.append(FlatSegment(index, params, flat, grad, _views(grad, params)))
         self.bound = False
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(_gather_into(view))
+            for segment in self.segments
+            for param, view in zip(segment.params, segment.grad_views)
+        ]
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def bind_state(self, keys: Sequence[Tuple[str, ...]], with_step: bool) -> Optional[str]:
         """Move each parameter's state tensors (``keys`` per group) into flat buffers; the reason when it cannot:
