@@ -37,71 +37,69 @@ def _clipped_grads(segments: Sequence[Segment], clip: Clipping, grad_norm: Optio
     return grads
 
 
-def _adam_update(
+def update_segments(
     segments: List[Segment],
     hyper: Tensor,
     rows: Tuple[int, ...],
-    flags: Tuple[Tuple[bool, bool, bool], ...],
+    flags: Tuple[Tuple[bool, ...], ...],
     clip: Clipping,
     grad_norm: Optional[Tensor],
+    update_segment: Callable[[Segment, Tensor, Tensor, Tuple[bool, ...]], None],
 ) -> None:
-    """Adam/AdamW over every segment, in the order of torch's single-tensor implementation."""
+    """The compiled function: clip the gradients, then ``update_segment`` for each segment with its group's
+    hyperparameters (``hyper[row]``, float64) and flags."""
     grads = _clipped_grads(segments, clip, grad_norm)
     for segment, grad, row in zip(segments, grads, rows):
-        amsgrad, maximize, decoupled = flags[row]
-        param, exp_avg, exp_avg_sq, steps = segment[0], segment[2], segment[3], segment[-1]
-        lr, beta1, beta2, eps, weight_decay = hyper[row].unbind()
-        steps.add_(1)  # every parameter of a segment has the same count (flat.py checks)
-        step = steps[0].to(hyper.dtype)
-        # Scalars in float64 (as torch's Python floats), then float32 for the elementwise work (as its kernels).
-        step_size, bias_correction2_sqrt, decay, weight_decay, avg_weight, beta2, sq_weight, eps = torch.stack(
-            [lr / (1 - beta1**step), (1 - beta2**step).sqrt(), 1 - lr * weight_decay, weight_decay, 1 - beta1]
-            + [beta2, 1 - beta2, eps]
-        ).float()
-        if maximize:
-            grad = -grad
-        if decoupled:
-            param.mul_(decay)
-        else:
-            grad = grad + weight_decay * param
-        exp_avg.lerp_(grad, avg_weight)
-        exp_avg_sq.mul_(beta2).add_(sq_weight * grad * grad)
-        if amsgrad:
-            segment[4].copy_(torch.maximum(segment[4], exp_avg_sq))
-            exp_avg_sq = segment[4]
-        param.sub_(exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps) * step_size)
+        update_segment(segment, grad, hyper[row], flags[row])
 
 
-def _sgd_update(
-    segments: List[Segment],
-    hyper: Tensor,
-    rows: Tuple[int, ...],
-    flags: Tuple[Tuple[bool, bool, bool], ...],
-    clip: Clipping,
-    grad_norm: Optional[Tensor],
-) -> None:
-    """SGD (with momentum, dampening, Nesterov) over every segment, as torch's single-tensor implementation."""
-    grads = _clipped_grads(segments, clip, grad_norm)
-    for segment, grad, row in zip(segments, grads, rows):
-        has_momentum, nesterov, maximize = flags[row]
-        param = segment[0]
-        lr, momentum, dampening, weight_decay = hyper[row].unbind()
-        lr, momentum, grad_weight, weight_decay = torch.stack([lr, momentum, 1 - dampening, weight_decay]).float()
-        if maximize:
-            grad = -grad
+def _adam_segment(segment: Segment, grad: Tensor, hyper: Tensor, flags: Tuple[bool, ...]) -> None:
+    """Adam/AdamW, in the order of torch's single-tensor implementation."""
+    amsgrad, maximize, decoupled = flags
+    param, exp_avg, exp_avg_sq, steps = segment[0], segment[2], segment[3], segment[-1]
+    lr, beta1, beta2, eps, weight_decay = hyper.unbind()
+    steps.add_(1)  # every parameter of a segment has the same count (flat.py checks)
+    step = steps[0].to(hyper.dtype)
+    # Scalars in float64 (as torch's Python floats), then float32 for the elementwise work (as its kernels).
+    step_size, bias_correction2_sqrt, decay, weight_decay, avg_weight, beta2, sq_weight, eps = torch.stack(
+        [lr / (1 - beta1**step), (1 - beta2**step).sqrt(), 1 - lr * weight_decay, weight_decay, 1 - beta1]
+        + [beta2, 1 - beta2, eps]
+    ).float()
+    if maximize:
+        grad = -grad
+    if decoupled:
+        param.mul_(decay)
+    else:
         grad = grad + weight_decay * param
-        if has_momentum:
-            buf = segment[2]
-            buf.mul_(momentum).add_(grad_weight * grad)
-            grad = grad + momentum * buf if nesterov else buf
-        param.sub_(lr * grad)
+    exp_avg.lerp_(grad, avg_weight)
+    exp_avg_sq.mul_(beta2).add_(sq_weight * grad * grad)
+    if amsgrad:
+        segment[4].copy_(torch.maximum(segment[4], exp_avg_sq))
+        exp_avg_sq = segment[4]
+    param.sub_(exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps) * step_size)
+
+
+def _sgd_segment(segment: Segment, grad: Tensor, hyper: Tensor, flags: Tuple[bool, ...]) -> None:
+    """SGD (with momentum, dampening, Nesterov), as torch's single-tensor implementation."""
+    has_momentum, nesterov, maximize = flags
+    param = segment[0]
+    lr, momentum, dampening, weight_decay = hyper.unbind()
+    lr, momentum, grad_weight, weight_decay = torch.stack([lr, momentum, 1 - dampening, weight_decay]).float()
+    if maximize:
+        grad = -grad
+    grad = grad + weight_decay * param
+    if has_momentum:
+        buf = segment[2]
+        buf.mul_(momentum).add_(grad_weight * grad)
+        grad = grad + momentum * buf if nesterov else buf
+    param.sub_(lr * grad)
 
 
 @dataclass(frozen=True)
 class _Algorithm:
     """How one family of torch optimizers maps onto a compiled update."""
 
-    update: Callable[..., None]
+    update_segment: Callable[[Segment, Tensor, Tensor, Tuple[bool, ...]], None]
     hyper: Callable[[Dict[str, Any]], List[float]]
     flags: Callable[[torch.optim.Optimizer, Dict[str, Any]], Tuple[bool, ...]]
     # The per-parameter state tensors that live in flat buffers, in the update's order, for a group's flags.
@@ -110,7 +108,7 @@ class _Algorithm:
 
 
 ADAM = _Algorithm(
-    update=_adam_update,
+    update_segment=_adam_segment,
     hyper=lambda g: [float(v) for v in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])],
     flags=lambda opt, g: (
         bool(g.get("amsgrad")),
@@ -121,7 +119,7 @@ ADAM = _Algorithm(
     has_step=True,
 )
 SGD = _Algorithm(
-    update=_sgd_update,
+    update_segment=_sgd_segment,
     hyper=lambda g: [float(g[k]) for k in ("lr", "momentum", "dampening", "weight_decay")],
     flags=lambda opt, g: (g["momentum"] != 0, bool(g.get("nesterov")), bool(g.get("maximize"))),
     state_keys=lambda flags: ("momentum_buffer",) if flags[0] else (),

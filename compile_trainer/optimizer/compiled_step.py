@@ -34,7 +34,7 @@ import torch
 
 from compile_trainer import compat
 from compile_trainer.compiling.regions import ENTRY_PREFIX, compile_kwargs, renamed_function
-from compile_trainer.optimizer.algorithms import ADAM, Clipping, algorithm_for
+from compile_trainer.optimizer.algorithms import ADAM, Clipping, algorithm_for, update_segments
 from compile_trainer.optimizer.flat import FlatLayout
 from compile_trainer.schema import OptimizerPolicy, PolicyError, optimizer_settings, validate_optimizer_policy
 
@@ -70,11 +70,11 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _entry_function(update: Callable[..., None], optimizer: torch.optim.Optimizer) -> types.FunctionType:
-    """``update`` under its own code object, named like the regions' entries
+def _entry_function(optimizer: torch.optim.Optimizer) -> types.FunctionType:
+    """``update_segments`` under its own code object, named like the regions' entries
     (``compiled_region__optimizer_step_AdamW``): its own Dynamo cache, and the compile telemetry attributes
     its compiles and recompiles to an ``optimizer_step_AdamW`` row."""
-    return renamed_function(update, f"{ENTRY_PREFIX}optimizer_step_{type(optimizer).__name__}")
+    return renamed_function(update_segments, f"{ENTRY_PREFIX}optimizer_step_{type(optimizer).__name__}")
 
 
 class CompiledOptimizerStep:
@@ -96,7 +96,7 @@ class CompiledOptimizerStep:
         self.policy = policy
         self.device = _optimizer_device(optimizer)
         self.compile_kwargs, self.notes = compile_kwargs(optimizer_settings(policy, backend), self.device)
-        entry = _entry_function(self.algorithm.update, optimizer)
+        entry = _entry_function(optimizer)
         self.entry_name = entry.__name__  # the code name Dynamo's compilation metrics report
         self._compiled = torch.compile(entry, **self.compile_kwargs)
         # float64 keeps bias corrections as exact as torch's Python-float path; MPS has no float64.
@@ -196,6 +196,7 @@ class CompiledOptimizerStep:
                 flags,
                 self.clip,
                 self.grad_norm if self.clip[0] is not None else None,
+                self.algorithm.update_segment,
             )
         self.compiled_steps += 1
         for hook in post_hooks:
