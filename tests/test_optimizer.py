@@ -196,6 +196,10 @@ def test_parameters_and_state_are_views_of_flat_buffers_and_missing_gradients_fa
         assert state["exp_avg"].untyped_storage().data_ptr() == segment.state[0].untyped_storage().data_ptr()
         assert state["step"].shape == () and float(state["step"]) == 3.0
     assert (step.eager_steps, step.compiled_steps) == (1, 2)
+    buffers = list(segment.state)
+    step.eager_step("by hand")  # updates the views in place: the next compiled step keeps the same buffers
+    train(model, optimizer, None, 1, first_step=3)
+    assert step.compiled_steps == 3 and all(a is b for a, b in zip(buffers, segment.state))
 
     optimizer.zero_grad()  # set_to_none: backward makes new gradients, which the hooks gather into the buffer
     model(torch.ones(2, 8)).sum().backward()
@@ -207,15 +211,17 @@ def test_parameters_and_state_are_views_of_flat_buffers_and_missing_gradients_fa
     reference = tiny_model()
     reference_optimizer = OPTIMIZERS["AdamW"](groups_of(reference))
     train(reference, reference_optimizer, None, 3)
+    reference_optimizer.step()  # as the step by hand, on the same gradients
+    train(reference, reference_optimizer, None, 1, first_step=3)
     last = list(model.parameters())[-1]
     for net, opt in ((model, optimizer), (reference, reference_optimizer)):
         opt.zero_grad()
         net(torch.ones(2, 8)).sum().backward()
         list(net.parameters())[-1].grad = None  # a parameter without a gradient this step: Adam skips it
         opt.step()
-    assert step.eager_steps == 2 and "parameters without a gradient: group 1 (4,)" in step.eager_reasons
+    assert step.eager_steps == 3 and "parameters without a gradient: group 1 (4,)" in step.eager_reasons
     assert_same_params(reference, model)
-    assert float(optimizer.state[last]["step"]) == 3.0 and float(optimizer.state[model[0].weight]["step"]) == 4.0
+    assert float(optimizer.state[last]["step"]) == 5.0 and float(optimizer.state[model[0].weight]["step"]) == 6.0
     train(model, optimizer, None, 1, first_step=5)
     train(reference, reference_optimizer, None, 1, first_step=5)
     assert "param group 1: parameters have different step counts" in step.eager_reasons, "its own step, still exact"

@@ -161,7 +161,12 @@ class CompiledOptimizerStep:
         if not self.layout.bound:
             flags = [self.algorithm.flags(self.optimizer, group) for group in self.optimizer.param_groups]
             keys = [self.algorithm.state_keys(group_flags) for group_flags in flags]
-            return self.layout.bind_state(keys, self.algorithm.has_step)
+            reason = self.layout.bind_state(keys, self.algorithm.has_step)
+            if reason is None:
+                for segment in self.layout.segments:
+                    for tensor in segment.state:
+                        compat.mark_static_address(tensor)  # CUDA graphs need not copy them
+            return reason
         return None
 
     def eager_step(self, reason: str, flags: Optional[str] = None) -> None:

@@ -29,6 +29,12 @@ def _gather_into(view: Tensor):
     return gather
 
 
+def _same_objects(lists: List[List[Tensor]], others: List[List[Tensor]]) -> bool:
+    """The very same tensor objects (``==`` on tensors compares values)."""
+    pairs = list(zip(lists, others))
+    return len(lists) == len(others) and all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in pairs)
+
+
 def _views(flat: Tensor, tensors: Sequence[Tensor]) -> List[Tensor]:
     """Consecutive views of ``flat`` shaped like each of ``tensors``."""
     views, offset = [], 0
@@ -56,6 +62,7 @@ class FlatSegment:
     grad: Tensor
     grad_views: List[Tensor]
     state: List[Tensor] = field(default_factory=list)  # per state key, then Adam's step vector
+    state_views: List[List[Tensor]] = field(default_factory=list)  # what optimizer.state holds, per key
 
     def tensors(self) -> List[Tensor]:
         return [self.param, self.grad, *self.state]
@@ -101,17 +108,21 @@ class FlatLayout:
             if with_step and len({float(state[p]["step"]) for p in segment.params}) > 1:
                 return f"param group {segment.group}: parameters have different step counts"
         for segment in self.segments:
-            segment.state = []
-            for name in keys[segment.group]:
-                flat, views = _flatten([state[p][name] for p in segment.params], segment.param)
+            names = keys[segment.group] + (("step",) if with_step else ())
+            current = [[state[p][name] for p in segment.params] for name in names]
+            if _same_objects(current, segment.state_views):
+                continue  # still the views (an eager step updates them in place): same buffers, same addresses
+            segment.state, segment.state_views = [], []
+            for name, tensors in zip(names, current):
+                if name == "step":  # one vector, each parameter's count a 0-d view of its element
+                    flat = torch.stack([t.to(segment.param.device, torch.float32) for t in tensors])
+                    views = list(flat.unbind())
+                else:
+                    flat, views = _flatten(tensors, segment.param)
                 segment.state.append(flat)
+                segment.state_views.append(views)
                 for param, view in zip(segment.params, views):
                     state[param][name] = view
-            if with_step:
-                steps = torch.stack([state[p]["step"].to(segment.param.device, torch.float32) for p in segment.params])
-                segment.state.append(steps)
-                for position, param in enumerate(segment.params):
-                    state[param]["step"] = steps[position]  # a 0-d view: the standard per-parameter count
         self.bound = True
         return None
 
