@@ -543,7 +543,7 @@ def test_benchmark_smoke_runs_without_config_packages(tmp_path):
     expected |= {"compile_trainer + clip, gradients already in the buffer"}
     assert set(rows) == expected and data["benchmark"] == "optimizer"
     assert not any(row.get("error") for row in rows.values()), [row.get("error") for row in rows.values()]
-    for name in ("compile_trainer", "compile_trainer + clip", "compile_trainer + clip, gradients already in the buffer"):
+    for name in [name for name in rows if name.startswith("compile_trainer") and "auto" not in name]:
         ours = rows[name]
         assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["compiled_steps"] == 19
         assert ours["max_rel_diff_at_100"] < 1e-5 and ours["max_abs_diff"] < 1e-5, "same as fused (with clipping)"
