@@ -357,6 +357,10 @@ def test_auto_with_one_eager_candidate_restores_the_optimizer_step():
     assert optimizer.param_groups[0]["foreach"] is True and step.compiled_steps == 0
 
 
+class MarkedTensor(torch.Tensor):
+    """A tensor subclass, as DTensor is."""
+
+
 @register_backend
 def failing_backend(graph_module, example_inputs):
     raise RuntimeError("this backend cannot compile anything")
@@ -386,6 +390,9 @@ def test_unsupported_optimizers_and_bad_settings_are_clear_errors():
     with pytest.raises(PolicyError, match="differentiable=True, not supported"):
         compile_optimizer(torch.optim.Adam(model.parameters(), differentiable=True))
     assert compile_optimizer(torch.optim.RMSprop(model.parameters()), {"compile": "false"}) is None
+    subclassed = nn.Parameter(torch.zeros(2).as_subclass(MarkedTensor))
+    with pytest.raises(PolicyError, match=r"tensor subclasses \(MarkedTensor, e.g. DTensor under FSDP\)"):
+        compile_optimizer(torch.optim.SGD([subclassed], lr=0.1))
     with pytest.raises(PolicyError, match="invalid compile 'yes'. Valid values: true, false, auto"):
         to_policy({"enabled": False, "optimizer": {"compile": "yes"}})
     with pytest.raises(PolicyError, match=r"invalid auto_candidates \['fastest'\]. Give one or more of: fused"):

@@ -146,4 +146,11 @@ def algorithm_for(optimizer: torch.optim.Optimizer) -> _Algorithm:
             raise PolicyError(f"optimizer.compile: {name} param group {index} has differentiable=True, not supported.")
         if any(torch.is_complex(p) for p in group["params"]):
             raise PolicyError(f"optimizer.compile: {name} param group {index} has complex parameters, not supported.")
+        subclasses = {type(p.data).__name__ for p in group["params"] if type(p.data) is not torch.Tensor}
+        if subclasses:
+            raise PolicyError(
+                f"optimizer.compile: {name} param group {index} has parameters of tensor subclasses "
+                f"({', '.join(sorted(subclasses))}, e.g. DTensor under FSDP), which cannot become views of a flat "
+                "buffer; set compile.optimizer.compile=false."
+            )
     return algorithm
