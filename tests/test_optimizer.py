@@ -339,6 +339,7 @@ def test_auto_with_clipping_keeps_clipping_whichever_candidate_wins(candidates):
     step = compile_optimizer(optimizer, policy)
     train(model, optimizer, scheduler, STEPS)
     assert step.choice.chosen in candidates and optimizer.step is step, "an eager winner runs behind the step"
+    assert "clipping by norm 0.05 included" in step.choice.describe()
     if step.choice.chosen != "compiled":
         trial_steps = 1 + policy["auto_steps"] if "compiled" in candidates else 0  # its warm-up and timed steps
         assert step.eager_choice == step.choice.chosen and step.compiled_steps == trial_steps

@@ -50,10 +50,12 @@ class OptimizerChoice:
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     device: str = "cpu"
     timed_steps: int = 0
+    clipping: str = "none"  # every candidate's step includes it
 
     def describe(self) -> str:
         others = ", ".join(f"{n} {ms:.3f} ms" for n, ms in self.step_ms.items() if n != self.chosen)
-        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step"
+        clipping = f", clipping by {self.clipping} included" if self.clipping != "none" else ""
+        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step{clipping}"
         text += f"{' vs ' + others if others else ''}; best of {self.timed_steps} timed steps each on {self.device})"
         return text + "".join(f"; {name} skipped: {why}" for name, why in self.skipped.items())
 
@@ -308,7 +310,8 @@ class _AutoTrial:
             # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
             step_ms = {name: 1000 * min(times) for name, times in self.seconds.items()}
             chosen = min(step_ms, key=step_ms.__getitem__)
-            owner.choose(OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps))
+            choice = OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
+            owner.choose(dataclasses.replace(choice, clipping=owner.clipping))
 
     def _drop_compiled(self, error: Exception) -> None:
         message = " ".join(str(error).split())[:300]
