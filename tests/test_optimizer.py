@@ -512,11 +512,18 @@ def test_lightning_manual_optimization_matches_eager():
     assert callback.optimizer_steps[0].compiled_steps == 3
 
 
-def test_lightning_resumes_an_eager_checkpoint_with_the_compiled_step(tmp_path):
-    trainer, _, _ = fit(steps=3)
-    trainer.save_checkpoint(tmp_path / "eager.ckpt")
-    _, resumed_eager, _ = fit(steps=6, ckpt_path=tmp_path / "eager.ckpt")
-    _, resumed_compiled, callback = fit(OPTIMIZER_ONLY, steps=6, ckpt_path=tmp_path / "eager.ckpt")
+@pytest.mark.parametrize("saved_by", ["eager", "compiled"])
+def test_lightning_resumes_checkpoints_both_ways(tmp_path, saved_by):
+    clip, path = {"gradient_clip_val": 0.05}, tmp_path / "saved.ckpt"
+    trainer, _, _ = fit(OPTIMIZER_ONLY if saved_by == "compiled" else None, steps=3, **clip)
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert not any("_orig_mod" in key for key in checkpoint["state_dict"])
+    (optimizer_state,) = checkpoint["optimizer_states"]
+    assert set(optimizer_state["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert optimizer_state["state"][0]["step"].shape == () and float(optimizer_state["state"][0]["step"]) == 3.0
+    _, resumed_eager, _ = fit(steps=6, ckpt_path=path, **clip)
+    _, resumed_compiled, callback = fit(OPTIMIZER_ONLY, steps=6, ckpt_path=path, **clip)
     assert_same_params(resumed_eager, resumed_compiled)
     assert callback.optimizer_steps[0].compiled_steps == 3, "the restored state needs no eager first step"
 
