@@ -375,6 +375,8 @@ def train_end_to_end(name: str, variant: str, args: argparse.Namespace) -> Dict[
     result = train_step.run_variant(variant, worker_args)
     keys = ("step_ms", "first_step_s", "tokens_per_s", "peak_mem_gib", "error")
     row = {"variant": name, **{k: result[k] for k in keys if k in result}}
+    if "recompile_reasons" in result:
+        row["recompiles"], row["graphs"] = len(result["recompile_reasons"]), result["graphs"]
     if "first_step_s" in row:
         row["first_steps_s"] = row.pop("first_step_s")
     return row
