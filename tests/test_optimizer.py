@@ -219,13 +219,30 @@ def test_parameters_and_state_are_views_of_flat_buffers_and_missing_gradients_fa
         net(torch.ones(2, 8)).sum().backward()
         list(net.parameters())[-1].grad = None  # a parameter without a gradient this step: Adam skips it
         opt.step()
-    assert step.eager_steps == 3 and "parameters without a gradient: group 1 (4,)" in step.eager_reasons
+    assert step.eager_steps == 3 and "gradients: group 1 (4,) has none" in step.eager_reasons
     assert_same_params(reference, model)
     assert float(optimizer.state[last]["step"]) == 5.0 and float(optimizer.state[model[0].weight]["step"]) == 6.0
     train(model, optimizer, None, 1, first_step=5)
     train(reference, reference_optimizer, None, 1, first_step=5)
     assert "param group 1: parameters have different step counts" in step.eager_reasons, "its own step, still exact"
     assert_same_params(reference, model)
+
+
+def test_a_parameter_unfrozen_after_install_is_updated_by_the_optimizers_own_step():
+    models, steps = [], []
+    for compiled in (False, True):
+        model = tiny_model()
+        model[0].weight.requires_grad_(False)
+        optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+        if compiled:
+            steps.append(compile_optimizer(optimizer, {"compile": "true", "backend": "eager"}))
+        train(model, optimizer, None, 3)
+        model[0].weight.requires_grad_(True)
+        train(model, optimizer, None, 2, first_step=3)
+        models.append(model)
+    assert_same_params(*models)
+    assert "gradients: frozen at install (16, 8) has one now" in steps[0].eager_reasons
+    assert steps[0].compiled_steps == 2 and not torch.equal(models[1][0].weight, tiny_model()[0].weight)
 
 
 def test_plateau_schedule_and_changed_weight_decay_do_not_recompile():

@@ -159,7 +159,7 @@ class CompiledOptimizerStep:
         """Why the compiled update cannot run this step (gathering the gradients into the flat buffers if it can)."""
         missing = self.layout.gather_grads()
         if missing:
-            return f"parameters without a gradient: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            return f"gradients: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
         if not self.layout.bound:
             flags = [self.algorithm.flags(self.optimizer, group) for group in self.optimizer.param_groups]
             keys = [self.algorithm.state_keys(group_flags) for group_flags in flags]

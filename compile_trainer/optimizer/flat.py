@@ -74,10 +74,13 @@ class FlatLayout:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.segments: List[FlatSegment] = []
+        self.frozen: List[Tensor] = []
         for index, group in enumerate(optimizer.param_groups):
             by_kind: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = {}
             for param in group["params"]:
-                if param.requires_grad:
+                if not param.requires_grad:
+                    self.frozen.append(param)  # not laid out: should it get a gradient later, the step runs eagerly
+                else:
                     by_kind.setdefault((param.device, param.dtype), []).append(param)
             for params in by_kind.values():
                 flat, views = _flatten(params, params[0])
@@ -127,13 +130,15 @@ class FlatLayout:
         return None
 
     def gather_grads(self) -> List[str]:
-        """Copy gradients that are not views of the flat buffer into it; the names of parameters without one."""
-        missing, sources, targets = [], [], []
+        """Copy gradients that are not views of the flat buffer into it; what keeps the flat update from running
+        (parameters without a gradient, or with one but frozen when the layout was made)."""
+        missing = [f"frozen at install {tuple(p.shape)} has one now" for p in self.frozen if p.grad is not None]
+        sources, targets = [], []
         for segment in self.segments:
             for param, view in zip(segment.params, segment.grad_views):
                 grad = param.grad
                 if grad is None:
-                    missing.append(f"group {segment.group} {tuple(param.shape)}")
+                    missing.append(f"group {segment.group} {tuple(param.shape)} has none")
                 elif grad is not view:
                     sources.append(grad)
                     targets.append(view)
