@@ -245,6 +245,22 @@ def test_a_parameter_unfrozen_after_install_is_updated_by_the_optimizers_own_ste
     assert steps[0].compiled_steps == 2 and not torch.equal(models[1][0].weight, tiny_model()[0].weight)
 
 
+def test_a_param_group_added_after_install_runs_the_optimizers_own_step():
+    models, steps = [], []
+    for compiled in (False, True):
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+        if compiled:
+            steps.append(compile_optimizer(optimizer, {"compile": "true", "backend": "eager"}))
+        train(model, optimizer, None, 2)
+        optimizer.add_param_group({"params": list(model[3].parameters()), "lr": 1e-3})
+        train(model, optimizer, None, 2, first_step=2)
+        models.append(model)
+    assert_same_params(*models)
+    assert (steps[0].eager_steps, steps[0].compiled_steps) == (3, 1)
+    assert any("param groups changed" in reason for reason in steps[0].eager_reasons)
+
+
 def test_plateau_schedule_and_changed_weight_decay_do_not_recompile():
     model = tiny_model()
     optimizer = torch.optim.SGD(groups_of(model), lr=0.1, momentum=0.9, weight_decay=0.0)

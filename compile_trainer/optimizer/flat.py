@@ -20,6 +20,10 @@ import torch
 from torch import Tensor
 
 
+def _param_ids(optimizer: torch.optim.Optimizer) -> List[List[int]]:
+    return [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+
+
 def _gather_into(view: Tensor):
     def gather(param: Tensor) -> None:
         if param.grad is not view:
@@ -89,6 +93,7 @@ class FlatLayout:
                 grad = torch.zeros_like(flat)
                 self.segments.append(FlatSegment(index, params, flat, grad, _views(grad, params)))
         self.bound = False
+        self._param_ids = _param_ids(optimizer)
         self._hooks = [
             param.register_post_accumulate_grad_hook(_gather_into(view))
             for segment in self.segments
@@ -132,6 +137,8 @@ class FlatLayout:
     def gather_grads(self) -> List[str]:
         """Copy gradients that are not views of the flat buffer into it; what keeps the flat update from running
         (parameters without a gradient, or with one but frozen when the layout was made)."""
+        if self._param_ids != _param_ids(self.optimizer):
+            return ["the param groups changed since the step was installed (add_param_group?)"]
         missing = [f"frozen at install {tuple(p.shape)} has one now" for p in self.frozen if p.grad is not None]
         sources, targets = [], []
         for segment in self.segments:
