@@ -1,7 +1,10 @@
 """Optimizer-step benchmark: AdamW over GPT-2 small's parameters with torch's foreach and fused kernels,
-``torch.compile(opt.step)`` and this project's compiled step, side by side in one process.
+``torch.compile`` of a function calling ``opt.step()`` and this project's compiled step, each with and without
+gradient clipping by norm (``clip_grad_norm_(1.0)``), side by side in one process; then the recipe's GPT-2 small
+trained end to end (Lightning, ``regional``, ``gradient_clip_val=1.0``) under fused AdamW and under the compiled
+step, each in its own process (``benchmarks/train_step.py``'s worker).
 
-GPU run (GPT-2 small's 124M fp32 parameters, 1,000 scheduled steps per variant):
+GPU run (GPT-2 small's 124M fp32 parameters, 1,000 scheduled steps per variant; about 5 minutes):
 
     python benchmarks/optimizer.py --out benchmarks/results/optimizer.json
 
@@ -11,12 +14,16 @@ CPU smoke run (tiny model, aot_eager backend), as CI runs it:
 
 Every variant starts from the same parameters, gradients and optimizer state, with fresh Inductor caches, and
 runs the same warm-up + cosine LR schedule (stepped after every optimizer step, outside the timed region).
+Before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after a backward that
+followed ``zero_grad(set_to_none=True)``: a step that gathers gradients into flat buffers pays that copy in
+its time.
 Columns: median step time (CUDA events around ``step()``) and effective bandwidth (7 x parameter bytes: read
 param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time in
 kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time: bandwidth-bound);
 wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and graph breaks over
-all steps; the largest parameter difference from foreach at the end. The ``copy floor`` row is a device copy of
-the parameter bytes, scaled to AdamW's 7 passes.
+all steps; the largest parameter difference from fused (clipped rows: from fused + ``clip_grad_norm_``), relative
+to the tensor's largest value after 100 steps and absolute at the end. The ``copy floor`` row is a device copy
+of the parameter bytes, scaled to AdamW's 7 passes.
 """
 
 from __future__ import annotations
@@ -46,17 +53,36 @@ from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-LR, BETAS, WEIGHT_DECAY = 6e-4, (0.9, 0.95), 0.1
+LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
 PASSES = 7  # AdamW moves 7 x the parameter bytes per step
+PARITY_STEP = 100  # parameters compared with the reference after this many steps, and at the end
+CLIPPED = " + clip"  # every variant that clips gradients by norm has this in its name
 POLICIES = {
     "compile_trainer": OptimizerPolicy(compile="true"),
-    "compile_trainer combo_kernels": OptimizerPolicy(compile="true", options={"combo_kernels": True}),
-    "compile_trainer max-autotune": OptimizerPolicy(compile="true", mode="max-autotune-no-cudagraphs"),
-    "compile_trainer reduce-overhead": OptimizerPolicy(compile="true", mode="reduce-overhead"),
-    "compile_trainer auto": OptimizerPolicy(compile="auto"),
+    "compile_trainer + clip": OptimizerPolicy(compile="true", clip_grad_norm=MAX_NORM),
+    "compile_trainer reduce-overhead + clip": OptimizerPolicy(
+        compile="true", mode="reduce-overhead", clip_grad_norm=MAX_NORM
+    ),
+    "compile_trainer auto + clip": OptimizerPolicy(compile="auto", clip_grad_norm=MAX_NORM),
+    "compile_trainer + clip, gradients already in the buffer": OptimizerPolicy(compile="true", clip_grad_norm=MAX_NORM),
 }
-VARIANTS = ("foreach", "fused", "torch.compile(opt.step)", *POLICIES)
-GPU_ONLY = ("compile_trainer combo_kernels", "compile_trainer max-autotune", "compile_trainer reduce-overhead")
+# The step alone, as in training, where the hooks gather gradients into the flat buffer during backward: the
+# gradients are set once, so no step after the first copies them (the other rows pay that copy in the step).
+GATHERED_IN_BACKWARD = ("compile_trainer + clip, gradients already in the buffer",)
+VARIANTS = (
+    "foreach",
+    "fused",
+    "fused + clip",
+    "torch.compile(opt.step)",
+    "torch.compile(opt.step) + clip",
+    *POLICIES,
+)
+GPU_ONLY = ("compile_trainer reduce-overhead + clip",)
+# The recipe trained end to end (benchmarks/train_step.py variants), on the GPU only.
+END_TO_END = {
+    "GPT-2 small training, fused + gradient_clip_val=1.0": "lightning_regional_clip_fused",
+    "GPT-2 small training, compiled step + gradient_clip_val=1.0": "lightning_regional_clip_compiled_optimizer",
+}
 COLUMNS = [
     "variant",
     "step_ms",
@@ -69,7 +95,9 @@ COLUMNS = [
     "compile_s",
     "recompiles",
     "graph_breaks",
-    "max_abs_diff_vs_foreach",
+    "max_rel_diff_at_100",
+    "max_abs_diff",
+    "tokens_per_s",
     "error",
 ]
 COMPILE_PHASES = {  # CompilationMetrics fields (microseconds), reported in seconds
@@ -90,6 +118,11 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def reference_for(variant: str) -> str:
+    """The variant whose parameters and step time this one is compared with: fused, with the same clipping."""
+    return "fused + clip" if CLIPPED in variant else "fused"
+
+
 def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.device, backend: str, steps: int):
     """The optimizer for ``variant``, its LR schedule, and the callable that steps it."""
     groups = [
@@ -97,19 +130,26 @@ def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.devic
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     on_gpu = device.type != "cpu"
-    if variant == "torch.compile(opt.step)":
+    clip = CLIPPED in variant and variant not in POLICIES
+    if variant.startswith("torch.compile"):
         # The documented recipe: tensor LR (needs capturable with foreach, which is GPU-only).
         lr = torch.tensor(LR, device=device if on_gpu else "cpu")
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=BETAS, foreach=on_gpu, capturable=on_gpu)
     else:
-        flags = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(variant, {})
+        flags = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(variant.removesuffix(CLIPPED), {})
         optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, **flags)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, max(1, steps // 10), steps))
-    if variant == "torch.compile(opt.step)":
-        return optimizer, scheduler, torch.compile(optimizer.step, backend=backend)
     if variant in POLICIES:
         compile_optimizer(optimizer, POLICIES[variant], backend=backend)  # after the scheduler, as in Lightning
-    return optimizer, scheduler, lambda: optimizer.step()
+
+    def step() -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        optimizer.step()
+
+    if variant.startswith("torch.compile"):
+        return optimizer, scheduler, torch.compile(step, backend=backend)
+    return optimizer, scheduler, step
 
 
 def fresh_compile_caches():
@@ -120,13 +160,20 @@ def fresh_compile_caches():
     return fresh() if fresh is not None else contextlib.nullcontext()
 
 
-def profile_kernels(step: Callable[[], Any], scheduler: Any, steps: int = 20) -> Dict[str, float]:
+def set_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+    """Each parameter's own gradient tensor, as a backward after ``zero_grad(set_to_none=True)`` leaves it."""
+    for param, grad in zip(params, grads):
+        param.grad = grad
+
+
+def profile_kernels(step: Callable[[], Any], scheduler: Any, before: Callable[[], None], steps: int = 20):
     """Kernels launched and GPU time spent in them per step (the profiler's device events)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
+            before()
             step()
             scheduler.step()
         torch.cuda.synchronize()
@@ -152,10 +199,10 @@ def warmup_steps(optimizer: torch.optim.Optimizer) -> int:
 
 def run_variant(
     variant: str, initial: List[torch.Tensor], grads: List[torch.Tensor], device: torch.device, args: argparse.Namespace
-) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
+) -> Tuple[Dict[str, Any], List[List[torch.Tensor]]]:
+    """The variant's row, and its parameters after ``PARITY_STEP`` steps and at the end."""
     params = [torch.nn.Parameter(t.clone()) for t in initial]
-    for param, grad in zip(params, grads):
-        param.grad = grad
+    grads = [g.clone() for g in grads]  # clip_grad_norm_ clips them in place
     torch._dynamo.reset()
     seen_metrics = {id(m) for m in get_compilation_metrics()}
     breaks_before = sum(counters["graph_break"].values())
@@ -164,8 +211,12 @@ def run_variant(
         optimizer, scheduler, step = make_optimizer(variant, params, device, args.backend, args.steps)
         compiled_step = optimizer.__dict__.get("step")
         warmup = warmup_steps(optimizer)
-        timer, host_ms = StepTimer(device), []
-        for _ in range(args.steps):
+        timer, host_ms, snapshots = StepTimer(device), [], []
+        for index in range(args.steps):
+            if index == min(PARITY_STEP, args.steps - 1):
+                snapshots.append([p.detach().clone() for p in params])
+            if index == 0 or variant not in GATHERED_IN_BACKWARD:
+                set_grads(params, grads)
             started = timer.start()
             host_start = time.perf_counter()
             step()
@@ -175,7 +226,8 @@ def run_variant(
         step_ms = [1000 * s for s in timer.seconds()]
         if device.type == "cuda":
             try:
-                row.update(profile_kernels(step, scheduler))
+                gather = variant not in GATHERED_IN_BACKWARD
+                row.update(profile_kernels(step, scheduler, lambda: gather and set_grads(params, grads)))
             except Exception as error:  # the timings above still count
                 row["profile_error"] = repr(error)
     compiles = [m for m in get_compilation_metrics() if id(m) not in seen_metrics]
@@ -196,7 +248,7 @@ def run_variant(
         row["compile_kwargs"] = {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None}
         row["compiled_steps"], row["eager_steps"] = compiled_step.compiled_steps, compiled_step.eager_steps
         row["auto_choice"] = asdict(compiled_step.choice) if compiled_step.choice else None
-    return row, [p.detach() for p in params]
+    return row, [*snapshots, [p.detach() for p in params]]
 
 
 def copy_floor(param_bytes: int, device: torch.device) -> Dict[str, Any]:
@@ -236,11 +288,15 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="scheduled steps per variant (default 1000; smoke 20)")
     parser.add_argument("--backend", help="torch.compile backend (default inductor; smoke aot_eager)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
+    parser.add_argument(
+        "--end-to-end", action=argparse.BooleanOptionalAction, help="also train GPT-2 small (default: on a GPU)"
+    )
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     args.steps = args.steps or (20 if args.smoke else 1000)
     args.backend = args.backend or ("aot_eager" if args.smoke else "inductor")
     args.variants = args.variants or [v for v in VARIANTS if args.device.type == "cuda" or v not in GPU_ONLY]
+    args.end_to_end = args.device.type == "cuda" if args.end_to_end is None else args.end_to_end
     return args
 
 
@@ -260,34 +316,70 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     params = sum(t.numel() for t in initial)
 
     rows: List[Dict[str, Any]] = []
-    reference: Optional[List[torch.Tensor]] = None
+    references: Dict[str, List[List[torch.Tensor]]] = {}
     title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
     for variant in args.variants:
         started = time.perf_counter()
         try:
-            row, final = run_variant(variant, initial, grads, device, args)
+            row, snapshots = run_variant(variant, initial, grads, device, args)
         except Exception:  # one variant failing must not cost the others' measurements
             rows.append({"variant": variant, "error": traceback.format_exc().strip().splitlines()[-1][:300]})
             traceback.print_exc()
         else:
-            if variant == "foreach":
-                reference = final
-            if reference is not None:
-                row["max_abs_diff_vs_foreach"] = max((a - b).abs().max().item() for a, b in zip(final, reference))
+            if variant == reference_for(variant):
+                references[variant] = snapshots
+            if reference_for(variant) in references:
+                row.update(parameter_differences(snapshots, references[reference_for(variant)]))
             rows.append(row)
-            del final
+            del snapshots
         print(f"{variant}: {time.perf_counter() - started:.1f} s, {rows[-1]}", flush=True)
         finished = with_ratios(rows) + [copy_floor(param_bytes, device)]
         # written after every variant, so a run cut short still leaves what it measured
+        write_result(args.out, "optimizer", title, COLUMNS, finished, notes_for(finished, args, params, param_bytes))
+    references.clear()
+    for name, variant in END_TO_END.items() if args.end_to_end else ():
+        rows.append(train_end_to_end(name, variant, args))
+        print(f"{name}: {rows[-1]}", flush=True)
+        finished = with_ratios(rows) + [copy_floor(param_bytes, device)]
         write_result(args.out, "optimizer", title, COLUMNS, finished, notes_for(finished, args, params, param_bytes))
     print(format_table(COLUMNS, finished))
     print("\n".join(notes_for(finished, args, params, param_bytes)))
     return finished
 
 
+def parameter_differences(snapshots: List[List[torch.Tensor]], reference: List[List[torch.Tensor]]) -> Dict[str, float]:
+    """Largest difference from the reference after ``PARITY_STEP`` steps (relative to each tensor's largest
+    value) and at the end (absolute)."""
+    early = max((a - b).abs().max().item() / b.abs().max().item() for a, b in zip(snapshots[0], reference[0]))
+    final = max((a - b).abs().max().item() for a, b in zip(snapshots[-1], reference[-1]))
+    return {"max_rel_diff_at_100": early, "max_abs_diff": final}
+
+
 def with_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    fused = next((r["step_ms"] for r in rows if r["variant"] == "fused" and "step_ms" in r), None)
-    return [row | {"vs_fused": fused / row["step_ms"]} if fused and "step_ms" in row else row for row in rows]
+    """``vs_fused``: the reference's step time over this one's (above 1: faster than fused, with equal clipping)."""
+    times = {row["variant"]: row["step_ms"] for row in rows if "step_ms" in row}
+    result = []
+    for row in rows:
+        reference = times.get(reference_for(row["variant"]))
+        ratio = reference / row["step_ms"] if reference and "step_ms" in row and "tokens_per_s" not in row else None
+        result.append(row | {"vs_fused": ratio} if ratio else row)
+    return result
+
+
+def train_end_to_end(name: str, variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """The recipe's GPT-2 small trained by Lightning in a fresh process (``benchmarks/train_step.py``'s worker)."""
+    from benchmarks import train_step
+
+    passthrough = ["--smoke"] * args.smoke + ["--steps=100", "--warmup=5", f"--backend={args.backend}"]
+    worker_args = argparse.Namespace(out=args.out, variant_timeout=300, passthrough=passthrough)
+    result = train_step.run_variant(variant, worker_args)
+    keys = ("step_ms", "first_step_s", "tokens_per_s", "peak_mem_gib", "error")
+    row = {"variant": name, **{k: result[k] for k in keys if k in result}}
+    if "recompile_reasons" in result:
+        row["recompiles"], row["graphs"] = len(result["recompile_reasons"]), result["graphs"]
+    if "first_step_s" in row:
+        row["first_steps_s"] = row.pop("first_step_s")
+    return row
 
 
 if __name__ == "__main__":

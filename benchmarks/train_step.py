@@ -63,9 +63,11 @@ class Variant:
     policy: Optional[str] = None
     overrides: Tuple[Tuple[str, Any], ...] = ()
     module: Tuple[Tuple[str, Any], ...] = ()
+    trainer: Tuple[Tuple[str, Any], ...] = ()  # Lightning Trainer arguments
 
 
 NO_CUDA_GRAPHS = (("mode", None),)
+CLIP_TRAINER = (("gradient_clip_val", 1.0),)
 CPP_WRAPPER = (("options", {"cpp_wrapper": True}),)
 VARIANTS = {
     "eager": Variant("raw", "none"),
@@ -92,6 +94,16 @@ VARIANTS = {
     "lightning_full_background": Variant("lightning", "policy full_background", "full_background"),
     "lightning_regional": Variant("lightning", "policy regional (CUDA graphs)", "regional"),
     "lightning_regional_background": Variant("lightning", "policy regional_background", "regional_background"),
+    "lightning_regional_clip_fused": Variant(
+        "lightning", "policy regional, fused AdamW, gradient_clip_val=1.0", "regional", trainer=CLIP_TRAINER
+    ),
+    "lightning_regional_clip_compiled_optimizer": Variant(
+        "lightning",
+        "policy regional, compiled optimizer step (clipping inside), gradient_clip_val=1.0",
+        "regional",
+        (("optimizer", {"compile": "true"}),),
+        trainer=CLIP_TRAINER,
+    ),
 }
 
 
@@ -396,6 +408,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
         log_every_n_steps=50,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",
         callbacks=[clock, compile_callback],
+        **dict(VARIANTS[variant].trainer),
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
@@ -19,7 +20,13 @@ from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.lightning.batch_hooks import ShapeHooks
 from compile_trainer.lightning.fit_telemetry import FitTelemetry
-from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
+from compile_trainer.optimizer import (
+    CompiledOptimizerStep,
+    OptimizerChoice,
+    compile_optimizers,
+    describe_steps,
+    take_over_clipping,
+)
 from compile_trainer.schema import CompilePolicy, policy_to_dict, to_policy, to_telemetry_config
 from compile_trainer.schema.shapes import describe_shapes
 
@@ -47,6 +54,7 @@ class CompileCallback(pl.Callback):
         self.background: Optional[BackgroundCompile] = None
         self.optimizer_steps: List[CompiledOptimizerStep] = []
         self.gradient_copies: Optional[GradientCopies] = None
+        self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
@@ -59,6 +67,7 @@ class CompileCallback(pl.Callback):
         self.optimizer_steps = compile_optimizers(
             trainer.optimizers, self.policy.optimizer, self.policy.backend, lambda c: _log_choice(trainer, c)
         )
+        self._clip_in_optimizer_steps(trainer, pl_module)
         if self.print_plan and self.optimizer_steps:
             rank_zero_info(describe_steps(self.optimizer_steps))
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
@@ -81,6 +90,19 @@ class CompileCallback(pl.Callback):
         self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+    def _clip_in_optimizer_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The Trainer's ``gradient_clip_val`` clips inside the compiled steps, and Lightning's clipping is off
+        until teardown (a module's own ``configure_gradient_clipping`` keeps Lightning's)."""
+        if not self.optimizer_steps or not trainer.gradient_clip_val:
+            return
+        if is_overridden("configure_gradient_clipping", pl_module):
+            rank_zero_info("note: configure_gradient_clipping is overridden: Lightning clips, not the optimizer step")
+            return
+        algorithm = trainer.gradient_clip_algorithm
+        take_over_clipping(self.optimizer_steps, trainer.gradient_clip_val, algorithm.value if algorithm else "norm")
+        self.trainer_clipping = (trainer.gradient_clip_val, algorithm)
+        trainer.gradient_clip_val = None
 
     def _copy_gradients_if_they_outlive_a_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under CUDA graphs, gradients that must survive the next step's replays get their own memory."""
@@ -141,6 +163,9 @@ class CompileCallback(pl.Callback):
         if self.gradient_copies is not None:
             self.gradient_copies.remove()
             self.gradient_copies = None
+        if self.trainer_clipping is not None:
+            trainer.gradient_clip_val, trainer.gradient_clip_algorithm = self.trainer_clipping
+            self.trainer_clipping = None
 
 
 def _log_background(trainer: pl.Trainer, background: BackgroundCompile) -> None:

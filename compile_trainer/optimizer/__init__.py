@@ -6,6 +6,14 @@ from compile_trainer.optimizer.compiled_step import (
     compile_optimizer,
     compile_optimizers,
     describe_steps,
+    take_over_clipping,
 )
 
-__all__ = ["CompiledOptimizerStep", "OptimizerChoice", "compile_optimizer", "compile_optimizers", "describe_steps"]
+__all__ = [
+    "CompiledOptimizerStep",
+    "OptimizerChoice",
+    "compile_optimizer",
+    "compile_optimizers",
+    "describe_steps",
+    "take_over_clipping",
+]

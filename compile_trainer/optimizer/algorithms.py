@@ -1,112 +1,129 @@
-"""The compiled update of each supported torch optimizer family, written per parameter (see docs/optimizer.md).
+"""The compiled update of each supported torch optimizer family, over flat segments (see docs/optimizer.md).
 
-The update is written per parameter, not with ``_foreach`` ops: Inductor then fuses each parameter's whole
-update into one kernel that reads param, grad and state once and writes them once (7 tensor passes for
-AdamW), autotuned like any pointwise kernel (Inductor's foreach kernels are not), and kernels with the same
-source are compiled once.
+A segment is one contiguous buffer per role (param, grad, each state tensor) holding every parameter of one
+param group, device and dtype (``compile_trainer.optimizer.flat``). The update is a chain of pointwise ops over
+each segment, which Inductor fuses into one kernel per segment that reads param, grad and state once and writes
+them once (7 passes for AdamW); gradient clipping adds one reduction over the gradients, in the same graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from compile_trainer.schema import PolicyError
 
-TensorLists = List[List[Tensor]]
+Segment = List[Tensor]  # [param, grad, *state buffers] (Adam's step counts last)
+Clipping = Tuple[Optional[float], Optional[float]]  # (max norm, max absolute value); None: not clipped
+CLIP_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
 
 
-def _adam_update(groups: List[TensorLists], hyper: Tensor, flags: Tuple[Tuple[bool, bool, bool], ...]) -> None:
-    """Adam/AdamW for every parameter, in the order of torch's single-tensor implementation."""
-    for (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps), row, (amsgrad, maximize, decoupled) in zip(
-        groups, hyper, flags
-    ):
-        if not params:
-            continue
-        lr, beta1, beta2, eps, weight_decay = row.unbind()
-        # Scalars once per group, not per parameter: a smaller graph compiles faster.
-        torch._foreach_add_(steps, 1)
-        step_counts = torch.stack(steps).to(hyper.dtype)
-        step_sizes = lr / (1 - beta1**step_counts)
-        bias_correction2_sqrts = (1 - beta2**step_counts).sqrt()
-        decay, avg_weight, sq_weight = 1 - lr * weight_decay, 1 - beta1, 1 - beta2
-        for i, param in enumerate(params):
-            grad = -grads[i] if maximize else grads[i]
-            if decoupled:
-                param.mul_(decay)
-            else:
-                grad = grad + weight_decay * param
-            exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
-            exp_avg.lerp_(grad, avg_weight)
-            exp_avg_sq.mul_(beta2).add_(sq_weight * grad * grad)
-            if amsgrad:
-                max_exp_avg_sqs[i].copy_(torch.maximum(max_exp_avg_sqs[i], exp_avg_sq))
-                exp_avg_sq = max_exp_avg_sqs[i]
-            denom = exp_avg_sq.sqrt() / bias_correction2_sqrts[i] + eps
-            param.sub_(exp_avg / denom * step_sizes[i])
+def _clipped_grads(segments: Sequence[Segment], clip: Clipping, grad_norm: Optional[Tensor]) -> List[Tensor]:
+    """The gradients to apply, clipped as ``clip_grad_norm_`` / ``clip_grad_value_`` would (the flat gradients
+    themselves are left as they are); clipping by norm writes the total norm into ``grad_norm`` (no host sync)."""
+    clip_norm, clip_value = clip
+    grads = [segment[1] for segment in segments]
+    if clip_norm is not None:
+        norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in grads]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        grad_norm.copy_(norm)
+        coefficient = torch.clamp(clip_norm / (norm + CLIP_EPS), max=1.0)
+        grads = [grad * coefficient.to(grad.dtype) for grad in grads]
+    if clip_value is not None:
+        grads = [grad.clamp(-clip_value, clip_value) for grad in grads]
+    return grads
 
 
-def _sgd_update(groups: List[TensorLists], hyper: Tensor, flags: Tuple[Tuple[bool, bool, bool], ...]) -> None:
-    """SGD (with momentum, dampening, Nesterov) for every parameter, as torch's single-tensor implementation."""
-    for (params, grads, momentum_buffers), row, (has_momentum, nesterov, maximize) in zip(groups, hyper, flags):
-        lr, momentum, dampening, weight_decay = row.unbind()
-        grad_weight = 1 - dampening
-        for i, param in enumerate(params):
-            grad = -grads[i] if maximize else grads[i]
-            grad = grad + weight_decay * param
-            if has_momentum:
-                buf = momentum_buffers[i]
-                buf.mul_(momentum).add_(grad_weight * grad)
-                grad = grad + momentum * buf if nesterov else buf
-            param.sub_(lr * grad)
+def update_segments(
+    segments: List[Segment],
+    hyper: Tensor,
+    rows: Tuple[int, ...],
+    flags: Tuple[Tuple[bool, ...], ...],
+    clip: Clipping,
+    grad_norm: Optional[Tensor],
+    update_segment: Callable[[Segment, Tensor, Tensor, Tuple[bool, ...]], None],
+) -> None:
+    """The compiled function: clip the gradients, then ``update_segment`` for each segment with its group's
+    hyperparameters (``hyper[row]``, float64) and flags."""
+    grads = _clipped_grads(segments, clip, grad_norm)
+    for segment, grad, row in zip(segments, grads, rows):
+        update_segment(segment, grad, hyper[row], flags[row])
+
+
+def _adam_segment(segment: Segment, grad: Tensor, hyper: Tensor, flags: Tuple[bool, ...]) -> None:
+    """Adam/AdamW, in the order of torch's single-tensor implementation."""
+    amsgrad, maximize, decoupled = flags
+    param, exp_avg, exp_avg_sq, steps = segment[0], segment[2], segment[3], segment[-1]
+    lr, beta1, beta2, eps, weight_decay = hyper.unbind()
+    steps.add_(1)  # every parameter of a segment has the same count (flat.py checks)
+    step = steps[0].to(hyper.dtype)
+    # Scalars in float64 (as torch's Python floats), then float32 for the elementwise work (as its kernels).
+    step_size, bias_correction2_sqrt, decay, weight_decay, avg_weight, beta2, sq_weight, eps = torch.stack(
+        [lr / (1 - beta1**step), (1 - beta2**step).sqrt(), 1 - lr * weight_decay, weight_decay, 1 - beta1]
+        + [beta2, 1 - beta2, eps]
+    ).float()
+    if maximize:
+        grad = -grad
+    if decoupled:
+        param.mul_(decay)
+    else:
+        grad = grad + weight_decay * param
+    exp_avg.lerp_(grad, avg_weight)
+    exp_avg_sq.mul_(beta2).add_(sq_weight * grad * grad)
+    if amsgrad:
+        segment[4].copy_(torch.maximum(segment[4], exp_avg_sq))
+        exp_avg_sq = segment[4]
+    param.sub_(exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps) * step_size)
+
+
+def _sgd_segment(segment: Segment, grad: Tensor, hyper: Tensor, flags: Tuple[bool, ...]) -> None:
+    """SGD (with momentum, dampening, Nesterov), as torch's single-tensor implementation."""
+    has_momentum, nesterov, maximize = flags
+    param = segment[0]
+    lr, momentum, dampening, weight_decay = hyper.unbind()
+    lr, momentum, grad_weight, weight_decay = torch.stack([lr, momentum, 1 - dampening, weight_decay]).float()
+    if maximize:
+        grad = -grad
+    grad = grad + weight_decay * param
+    if has_momentum:
+        buf = segment[2]
+        buf.mul_(momentum).add_(grad_weight * grad)
+        grad = grad + momentum * buf if nesterov else buf
+    param.sub_(lr * grad)
 
 
 @dataclass(frozen=True)
 class _Algorithm:
     """How one family of torch optimizers maps onto a compiled update."""
 
-    update: Callable[..., None]
+    update_segment: Callable[[Segment, Tensor, Tensor, Tuple[bool, ...]], None]
     hyper: Callable[[Dict[str, Any]], List[float]]
     flags: Callable[[torch.optim.Optimizer, Dict[str, Any]], Tuple[bool, ...]]
-    # The state tensors of one parameter, or None while the optimizer has not created them yet.
-    state: Callable[[Dict[str, Any], Tuple[bool, ...]], Optional[List[Tensor]]]
-    state_lists: int  # how many state lists follow (params, grads)
-
-
-def _adam_state(state: Dict[str, Any], flags: Tuple[bool, ...]) -> Optional[List[Tensor]]:
-    if "step" not in state:
-        return None
-    amsgrad = flags[0]
-    return [state["exp_avg"], state["exp_avg_sq"], state["max_exp_avg_sq"] if amsgrad else None, state["step"]]
-
-
-def _sgd_state(state: Dict[str, Any], flags: Tuple[bool, ...]) -> Optional[List[Tensor]]:
-    if not flags[0]:
-        return [None]
-    buffer = state.get("momentum_buffer")
-    return None if buffer is None else [buffer]
+    # The per-parameter state tensors that live in flat buffers, in the update's order, for a group's flags.
+    state_keys: Callable[[Tuple[bool, ...]], Tuple[str, ...]]
+    has_step: bool  # Adam's per-parameter step counts, kept as one vector per segment
 
 
 ADAM = _Algorithm(
-    update=_adam_update,
+    update_segment=_adam_segment,
     hyper=lambda g: [float(v) for v in (g["lr"], *g["betas"], g["eps"], g["weight_decay"])],
     flags=lambda opt, g: (
         bool(g.get("amsgrad")),
         bool(g.get("maximize")),
         bool(g.get("decoupled_weight_decay")) or isinstance(opt, torch.optim.AdamW),
     ),
-    state=_adam_state,
-    state_lists=4,
+    state_keys=lambda flags: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if flags[0] else ("exp_avg", "exp_avg_sq"),
+    has_step=True,
 )
 SGD = _Algorithm(
-    update=_sgd_update,
+    update_segment=_sgd_segment,
     hyper=lambda g: [float(g[k]) for k in ("lr", "momentum", "dampening", "weight_decay")],
     flags=lambda opt, g: (g["momentum"] != 0, bool(g.get("nesterov")), bool(g.get("maximize"))),
-    state=_sgd_state,
-    state_lists=1,
+    state_keys=lambda flags: ("momentum_buffer",) if flags[0] else (),
+    has_step=False,
 )
 SUPPORTED: Dict[type, _Algorithm] = {torch.optim.Adam: ADAM, torch.optim.AdamW: ADAM, torch.optim.SGD: SGD}
 
@@ -129,4 +146,11 @@ def algorithm_for(optimizer: torch.optim.Optimizer) -> _Algorithm:
             raise PolicyError(f"optimizer.compile: {name} param group {index} has differentiable=True, not supported.")
         if any(torch.is_complex(p) for p in group["params"]):
             raise PolicyError(f"optimizer.compile: {name} param group {index} has complex parameters, not supported.")
+        subclasses = {type(p.data).__name__ for p in group["params"] if type(p.data) is not torch.Tensor}
+        if subclasses:
+            raise PolicyError(
+                f"optimizer.compile: {name} param group {index} has parameters of tensor subclasses "
+                f"({', '.join(sorted(subclasses))}, e.g. DTensor under FSDP), which cannot become views of a flat "
+                "buffer; set compile.optimizer.compile=false."
+            )
     return algorithm

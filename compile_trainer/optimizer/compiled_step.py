@@ -1,9 +1,12 @@
-"""Compiled optimizer steps: one compiled update of every parameter, tensor hyperparameters, standard state.
+"""Compiled optimizer steps: one compiled update over flat buffers, tensor hyperparameters, standard state,
+gradient clipping in the same compiled function.
 
 ``compile_optimizer(optimizer, policy)`` replaces ``optimizer.step`` with a ``CompiledOptimizerStep``:
 
-- the closure Lightning passes (forward, backward, clipping) runs eagerly under ``enable_grad``, then one
-  compiled function updates every parameter that has a gradient;
+- the closure Lightning passes (forward, backward) runs eagerly under ``enable_grad``, then one compiled
+  function clips the gradients (by norm or value, when asked) and updates every parameter;
+- parameters, gradients and state are views into a few flat buffers (``compile_trainer.optimizer.flat``), so
+  the compiled function takes a handful of tensors: few kernels, few guards, a short compile;
 - learning rate, betas/momentum, eps and weight decay of every group are copied each step from the
   param groups (plain Python floats, so schedulers, ``state_dict`` and loggers see the usual values) into
   one float64 tensor that the compiled function reads: a scheduler changing them never recompiles;
@@ -11,7 +14,8 @@
   created by the optimizer's own eager step the first time a parameter gets a gradient, so checkpoints load
   into an eager optimizer and back. Step counts live on the parameters' device (as ``capturable=True`` and
   ``fused=True`` keep them), which on a GPU also marks the groups ``capturable``;
-- the update itself (``compile_trainer.optimizer.algorithms``) is written per parameter; see docs/optimizer.md.
+- a step where some parameter has no gradient, or no state yet, runs the optimizer's own step (after the same
+  clipping); see docs/optimizer.md.
 
 ``compile: auto`` times the candidates (``fused``, ``foreach``, ``compiled``) on the real parameters during
 the first steps, keeps the fastest, and reports an ``OptimizerChoice``.
@@ -27,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor
 
 from compile_trainer import compat
 from compile_trainer.compiling.regions import ENTRY_PREFIX, compile_kwargs, renamed_function
-from compile_trainer.optimizer.algorithms import ADAM, TensorLists, algorithm_for
-from compile_trainer.schema import OptimizerPolicy, optimizer_settings, validate_optimizer_policy
+from compile_trainer.optimizer.algorithms import ADAM, Clipping, algorithm_for, update_segments
+from compile_trainer.optimizer.flat import FlatLayout
+from compile_trainer.schema import OptimizerPolicy, PolicyError, optimizer_settings, validate_optimizer_policy
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +50,12 @@ class OptimizerChoice:
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     device: str = "cpu"
     timed_steps: int = 0
+    clipping: str = "none"  # every candidate's step includes it
 
     def describe(self) -> str:
         others = ", ".join(f"{n} {ms:.3f} ms" for n, ms in self.step_ms.items() if n != self.chosen)
-        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step"
+        clipping = f", clipping by {self.clipping} included" if self.clipping != "none" else ""
+        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step{clipping}"
         text += f"{' vs ' + others if others else ''}; best of {self.timed_steps} timed steps each on {self.device})"
         return text + "".join(f"; {name} skipped: {why}" for name, why in self.skipped.items())
 
@@ -66,15 +72,19 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _entry_function(update: Callable[..., None], optimizer: torch.optim.Optimizer) -> types.FunctionType:
-    """``update`` under its own code object, named like the regions' entries
+def _entry_function(optimizer: torch.optim.Optimizer) -> types.FunctionType:
+    """``update_segments`` under its own code object, named like the regions' entries
     (``compiled_region__optimizer_step_AdamW``): its own Dynamo cache, and the compile telemetry attributes
     its compiles and recompiles to an ``optimizer_step_AdamW`` row."""
-    return renamed_function(update, f"{ENTRY_PREFIX}optimizer_step_{type(optimizer).__name__}")
+    return renamed_function(update_segments, f"{ENTRY_PREFIX}optimizer_step_{type(optimizer).__name__}")
 
 
 class CompiledOptimizerStep:
-    """Stands in for ``optimizer.step(closure=None)``; ``remove()`` gives the optimizer its own step back."""
+    """Stands in for ``optimizer.step(closure=None)``; ``remove()`` gives the optimizer its own step back.
+
+    ``grad_norm``: with clipping by norm, a 0-d float32 tensor on the parameters' device holding the last step's
+    total gradient norm (before clipping), updated in place without a host sync: log it as any tensor.
+    """
 
     def __init__(
         self,
@@ -88,18 +98,27 @@ class CompiledOptimizerStep:
         self.policy = policy
         self.device = _optimizer_device(optimizer)
         self.compile_kwargs, self.notes = compile_kwargs(optimizer_settings(policy, backend), self.device)
-        entry = _entry_function(self.algorithm.update, optimizer)
+        entry = _entry_function(optimizer)
         self.entry_name = entry.__name__  # the code name Dynamo's compilation metrics report
         self._compiled = torch.compile(entry, **self.compile_kwargs)
         # float64 keeps bias corrections as exact as torch's Python-float path; MPS has no float64.
         self._hyper_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.hyper = torch.zeros(0, device=self.device, dtype=self._hyper_dtype)
         self._hyper_values: Optional[List[List[float]]] = None
-        self._prepared: Optional[Tuple[List[List[int]], List[List[List[Optional[Tensor]]]]]] = None
+        self.layout = FlatLayout(optimizer)
+        for segment in self.layout.segments:
+            compat.mark_static_address(segment.param)  # CUDA graphs need not copy them
+            compat.mark_static_address(segment.grad)
+        self.clip: Clipping = (None, None)
+        self.grad_norm = torch.zeros((), device=self.device, dtype=torch.float32)
+        compat.mark_static_address(self.grad_norm)
+        self.set_clipping(policy.clip_grad_norm, policy.clip_grad_value)
         self.compiled_steps = 0
         self.eager_steps = 0
+        self.eager_reasons: Dict[str, int] = {}  # why steps ran the optimizer's own step, and how often
         self.on_choice = on_choice
         self.choice: Optional[OptimizerChoice] = None
+        self.eager_choice: Optional[str] = None  # auto's eager winner, kept behind this step to clip
         self._trial: Optional[_AutoTrial] = _AutoTrial(self) if policy.compile == "auto" else None
         self._user_flags = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
         self._original_step = optimizer.__dict__.get("step")  # an LR scheduler's wrapper, usually
@@ -109,42 +128,89 @@ class CompiledOptimizerStep:
         optimizer.step = self
         self._load_hook = optimizer.register_load_state_dict_post_hook(lambda _: self._state_replaced())
 
+    def set_clipping(self, max_norm: Optional[float] = None, max_value: Optional[float] = None) -> None:
+        """Clip gradients by total norm or by value inside the step (at most one; ``None``: not clipped)."""
+        if max_norm is not None and max_value is not None:
+            raise PolicyError("compiled optimizer step: clip by norm or by value, not both.")
+        self.clip = (None if max_norm is None else float(max_norm), None if max_value is None else float(max_value))
+
+    @property
+    def clipping(self) -> str:
+        norm, value = self.clip
+        return f"norm {norm:g}" if norm is not None else f"value {value:g}" if value is not None else "none"
+
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         compat.mark_optimizer_stepped(self.optimizer)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        groups = self._prepare()
-        if groups is None:
-            self.eager_step()  # some parameter's first step: the optimizer creates its state itself
+        reason = self.eager_choice and f"auto chose {self.eager_choice}"
+        reason = reason or self._not_ready()
+        if reason:
+            self.eager_step(reason, self.eager_choice)
         elif self._trial is not None:
-            self._trial.step(groups)
+            self._trial.step()
         else:
-            self.compiled_update(groups)
+            self.compiled_update()
         return loss
 
-    def eager_step(self) -> None:
+    def _not_ready(self) -> Optional[str]:
+        """Why the compiled update cannot run this step (gathering the gradients into the flat buffers if it can)."""
+        missing = self.layout.gather_grads()
+        if missing:
+            return f"gradients: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+        if not self.layout.bound:
+            flags = [self.algorithm.flags(self.optimizer, group) for group in self.optimizer.param_groups]
+            keys = [self.algorithm.state_keys(group_flags) for group_flags in flags]
+            reason = self.layout.bind_state(keys, self.algorithm.has_step)
+            if reason is None:
+                for segment in self.layout.segments:
+                    for tensor in segment.state:
+                        compat.mark_static_address(tensor)  # CUDA graphs need not copy them
+            return reason
+        return None
+
+    def eager_step(self, reason: str, flags: Optional[str] = None) -> None:
+        """The optimizer's own step (torch's ``fused``/``foreach`` as ``flags`` says), after the same clipping."""
+        if reason not in self.eager_reasons:
+            log.info("optimizer %s: its own step runs: %s", type(self.optimizer).__name__, reason)
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        if flags is not None:
+            self.set_eager_flags(flags)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        max_norm, max_value = self.clip
+        if max_norm is not None:
+            self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        elif max_value is not None:
+            torch.nn.utils.clip_grad_value_(params, max_value)
         type(self.optimizer).step(self.optimizer)
         self.eager_steps += 1
-        self._prepared = None
+        self.layout.bound = False  # state it created, or step counts it left unequal, are checked again
 
-    def compiled_update(self, groups: List[TensorLists]) -> None:
-        if not any(group[0] for group in groups):
-            return
+    def compiled_update(self) -> None:
         optimizer = self.optimizer
         pre_hooks, post_hooks = compat.optimizer_step_hooks(optimizer)
         for hook in pre_hooks:
             hook(optimizer, (), {})
         flags = self._write_hyper()
+        segments = self.layout.segments
         with torch.no_grad():
-            self._compiled(groups, self.hyper, flags)
+            self._compiled(
+                [segment.tensors() for segment in segments],
+                self.hyper,
+                tuple(segment.group for segment in segments),
+                flags,
+                self.clip,
+                self.grad_norm if self.clip[0] is not None else None,
+                self.algorithm.update_segment,
+            )
         self.compiled_steps += 1
         for hook in post_hooks:
             hook(optimizer, (), {})
 
     def remove(self) -> None:
-        """Restore the optimizer's own step (state and flags stay as they are)."""
+        """Restore the optimizer's own step (state, flags and the flat buffers' views stay as they are)."""
         optimizer = self.optimizer
         if self._original_step is None:
             optimizer.__dict__.pop("step", None)
@@ -152,6 +218,7 @@ class CompiledOptimizerStep:
             optimizer.step = self._original_step
         compat.set_step_handles_amp_scaling(optimizer, any(g.get("fused") for g in optimizer.param_groups))
         self._load_hook.remove()
+        self.layout.remove_hooks()
 
     def _write_hyper(self) -> Tuple[Tuple[bool, ...], ...]:
         groups = self.optimizer.param_groups
@@ -163,35 +230,6 @@ class CompiledOptimizerStep:
             self.hyper.copy_(torch.tensor(values, dtype=self._hyper_dtype), non_blocking=True)
             self._hyper_values = values
         return tuple(self.algorithm.flags(self.optimizer, group) for group in groups)
-
-    def _prepare(self) -> Optional[List[TensorLists]]:
-        """Per group: [params, grads, *state lists] of the parameters that have gradients; None if state is missing."""
-        active = [[p for p in group["params"] if p.grad is not None] for group in self.optimizer.param_groups]
-        key = [[id(p) for p in params] for params in active]
-        if self._prepared is None or self._prepared[0] != key:
-            state = self._state_lists(active)
-            if state is None:
-                return None
-            self._prepared = (key, state)
-        return [[params, [p.grad for p in params], *lists] for params, lists in zip(active, self._prepared[1])]
-
-    def _state_lists(self, active: List[List[Tensor]]) -> Optional[List[List[List[Optional[Tensor]]]]]:
-        result = []
-        for group, params in zip(self.optimizer.param_groups, active):
-            flags = self.algorithm.flags(self.optimizer, group)
-            lists: List[List[Optional[Tensor]]] = [[] for _ in range(self.algorithm.state_lists)]
-            for param in params:
-                if param.grad.is_sparse:
-                    raise RuntimeError(f"compiled optimizer step: sparse gradients are not supported ({param.shape})")
-                tensors = self.algorithm.state(self.optimizer.state[param], flags)
-                if tensors is None:
-                    return None
-                for target, tensor in zip(lists, tensors):
-                    if tensor is not None:
-                        compat.mark_static_address(tensor)  # CUDA graphs need not copy them
-                        target.append(tensor)
-            result.append(lists)
-        return result
 
     def _keep_steps_on_device(self) -> None:
         """Adam's step counts on the parameters' device, where the compiled update reads them."""
@@ -206,7 +244,7 @@ class CompiledOptimizerStep:
                     state["step"] = state["step"].to(param.device)
 
     def _state_replaced(self) -> None:
-        self._prepared = None
+        self.layout.bound = False  # the next step copies the loaded state into the flat buffers
         self._keep_steps_on_device()
 
     def set_eager_flags(self, name: str) -> None:
@@ -216,7 +254,8 @@ class CompiledOptimizerStep:
             group["foreach"] = name == "foreach"
 
     def choose(self, choice: OptimizerChoice) -> None:
-        """Keep ``choice.chosen`` from now on; an eager winner gets the optimizer's own step back."""
+        """Keep ``choice.chosen`` from now on; an eager winner gets the optimizer's own step back, or, while this
+        step clips gradients, runs behind it (clipping, then torch's step)."""
         self.choice = choice
         self._trial = None
         if choice.chosen == "compiled":
@@ -224,7 +263,11 @@ class CompiledOptimizerStep:
                 group["fused"], group["foreach"] = fused, foreach
         else:
             self.set_eager_flags(choice.chosen)
-            self.remove()
+            self.layout.remove_hooks()  # torch's step reads the gradients where backward leaves them
+            if self.clip == (None, None):
+                self.remove()
+            else:
+                self.eager_choice = choice.chosen
         log.info("optimizer %s: %s", type(self.optimizer).__name__, choice.describe())
         if self.on_choice is not None:
             self.on_choice(choice)
@@ -244,22 +287,21 @@ class _AutoTrial:
         self.schedule = [(name, timed) for name in candidates for timed in [False] + [True] * step.policy.auto_steps]
         self.seconds: Dict[str, List[float]] = {name: [] for name in candidates}
 
-    def step(self, groups: List[TensorLists]) -> None:
+    def step(self) -> None:
         name, timed = self.schedule.pop(0)
         owner = self.owner
         _synchronize(owner.device)
         start = time.perf_counter()
         try:
             if name == "compiled":
-                owner.compiled_update(groups)
+                owner.compiled_update()
             else:
-                owner.set_eager_flags(name)
-                type(owner.optimizer).step(owner.optimizer)
+                owner.eager_step(f"auto is timing {name}", name)
         except Exception as error:  # a compile that fails leaves the other candidates to choose from
             if name != "compiled" or timed or len(self.seconds) == 1:
                 raise
             self._drop_compiled(error)
-            owner.eager_step()
+            owner.eager_step("auto: the compiled candidate failed")
         else:
             _synchronize(owner.device)
             if timed:
@@ -268,7 +310,8 @@ class _AutoTrial:
             # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
             step_ms = {name: 1000 * min(times) for name, times in self.seconds.items()}
             chosen = min(step_ms, key=step_ms.__getitem__)
-            owner.choose(OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps))
+            choice = OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
+            owner.choose(dataclasses.replace(choice, clipping=owner.clipping))
 
     def _drop_compiled(self, error: Exception) -> None:
         message = " ".join(str(error).split())[:300]
@@ -314,6 +357,21 @@ def compile_optimizers(
     return [step for step in steps if step is not None]
 
 
+def take_over_clipping(steps: Sequence[CompiledOptimizerStep], max_value: float, algorithm: str = "norm") -> None:
+    """Clip inside each step as a trainer-level setting asks (Lightning's ``gradient_clip_val`` and
+    ``gradient_clip_algorithm``: ``norm`` or ``value``); the caller then turns the trainer's own clipping off."""
+    if algorithm not in ("norm", "value"):
+        raise PolicyError(f"gradient clipping algorithm {algorithm!r}: valid algorithms are norm, value.")
+    wanted = (float(max_value), None) if algorithm == "norm" else (None, float(max_value))
+    for step in steps:
+        if step.clip not in ((None, None), wanted):
+            raise PolicyError(
+                f"optimizer {type(step.optimizer).__name__}: the policy's optimizer section clips by {step.clipping} "
+                f"and the trainer asks to clip by {algorithm} {max_value:g}; set one of them."
+            )
+        step.set_clipping(*wanted)
+
+
 def describe_steps(steps: Sequence[CompiledOptimizerStep]) -> str:
     """One line per compiled optimizer step, for the plan printed at fit start."""
     lines = []
@@ -322,8 +380,8 @@ def describe_steps(steps: Sequence[CompiledOptimizerStep]) -> str:
         params = sum(len(g["params"]) for g in step.optimizer.param_groups)
         mode = "auto: timing " + ", ".join(step.policy.auto_candidates) if step._trial else "compiled"
         lines.append(
-            f"optimizer {type(step.optimizer).__name__}: {mode} ({params} params, "
-            f"{len(step.optimizer.param_groups)} groups; backend={kwargs['backend']} "
+            f"optimizer {type(step.optimizer).__name__}: {mode} ({params} params in "
+            f"{len(step.layout.segments)} flat segments; clipping {step.clipping}; backend={kwargs['backend']} "
             f"mode={kwargs['mode'] or 'default'})"
         )
         lines += [f"note: {note}" for note in step.notes]

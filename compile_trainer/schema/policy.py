@@ -67,6 +67,10 @@ class OptimizerPolicy(SettingsOverrides):
     auto_candidates: List[str] = field(default_factory=lambda: list(OPTIMIZER_CANDIDATES))
     # Timed steps per candidate for ``auto``, after one untimed warm-up step each (which compiles).
     auto_steps: int = 3
+    # Gradient clipping inside the step (as ``clip_grad_norm_`` / ``clip_grad_value_``), at most one of the two.
+    # Under Lightning, the Trainer's ``gradient_clip_val`` is taken over the same way.
+    clip_grad_norm: Optional[float] = None
+    clip_grad_value: Optional[float] = None
 
 
 @dataclass

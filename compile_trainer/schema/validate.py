@@ -92,6 +92,12 @@ def validate_optimizer_policy(optimizer: OptimizerPolicy, where: str = "optimize
         )
     if optimizer.auto_steps < 1:
         raise PolicyError(f"{where}: auto_steps must be >= 1, got {optimizer.auto_steps}.")
+    if optimizer.clip_grad_norm is not None and optimizer.clip_grad_value is not None:
+        raise PolicyError(f"{where}: give clip_grad_norm or clip_grad_value, not both.")
+    for name in ("clip_grad_norm", "clip_grad_value"):
+        value = getattr(optimizer, name)
+        if value is not None and not value > 0:
+            raise PolicyError(f"{where}: {name} must be > 0 (or null: no clipping), got {value}.")
     return optimizer
 
 

@@ -1,0 +1,161 @@
+"""Flat buffers for the compiled step: every parameter, gradient and state tensor of one segment (a param group's
+parameters of one device and dtype) is a view into one contiguous buffer per role.
+
+The compiled update then reads a handful of flat tensors (few kernels, few guards, a short compile) while the
+model and the optimizer keep their own objects: parameters stay the same ``nn.Parameter`` (their ``data`` is a
+view), and ``optimizer.state[p]`` holds standard tensors (views), so ``state_dict`` is the optimizer's own.
+Gradients arrive from backward as new tensors (Lightning and ``zero_grad`` set them to ``None``): a
+post-accumulate-grad hook on each parameter copies its gradient into the flat gradient buffer as soon as backward
+produces it (freeing the new tensor at once, so gradients take no more memory than without the layout) and leaves
+``p.grad`` a view of the buffer, so accumulation over several backwards adds in place. Gradients set by hand
+are gathered at the step with one multi-tensor copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+def _param_ids(optimizer: torch.optim.Optimizer) -> List[List[int]]:
+    return [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _gather_into(view: Tensor):
+    def gather(param: Tensor) -> None:
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    return gather
+
+
+def _same_objects(lists: List[List[Tensor]], others: List[List[Tensor]]) -> bool:
+    """The very same tensor objects (``==`` on tensors compares values)."""
+    pairs = list(zip(lists, others))
+    return len(lists) == len(others) and all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in pairs)
+
+
+def _views(flat: Tensor, tensors: Sequence[Tensor]) -> List[Tensor]:
+    """Consecutive views of ``flat`` shaped like each of ``tensors``."""
+    views, offset = [], 0
+    for tensor in tensors:
+        views.append(flat[offset : offset + tensor.numel()].view(tensor.shape))
+        offset += tensor.numel()
+    return views
+
+
+def _flatten(tensors: Sequence[Tensor], like: Tensor) -> Tuple[Tensor, List[Tensor]]:
+    """A new flat buffer (``like``'s device and dtype) holding ``tensors``, and its view shaped like each."""
+    flat = torch.empty(sum(t.numel() for t in tensors), device=like.device, dtype=like.dtype)
+    views = _views(flat, tensors)
+    torch._foreach_copy_(views, [t.detach() for t in tensors])
+    return flat, views
+
+
+@dataclass
+class FlatSegment:
+    """One param group's parameters of one device and dtype, and their flat buffers."""
+
+    group: int
+    params: List[Tensor]
+    param: Tensor
+    grad: Tensor
+    grad_views: List[Tensor]
+    state: List[Tensor] = field(default_factory=list)  # per state key, then Adam's step vector
+    state_views: List[List[Tensor]] = field(default_factory=list)  # what optimizer.state holds, per key
+
+    def tensors(self) -> List[Tensor]:
+        return [self.param, self.grad, *self.state]
+
+
+class FlatLayout:
+    """The segments of one optimizer; parameters become views at construction, state when ``bind_state`` runs."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.segments: List[FlatSegment] = []
+        self.frozen: List[Tensor] = []
+        for index, group in enumerate(optimizer.param_groups):
+            by_kind: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = {}
+            for param in group["params"]:
+                if not param.requires_grad:
+                    self.frozen.append(param)  # not laid out: should it get a gradient later, the step runs eagerly
+                else:
+                    by_kind.setdefault((param.device, param.dtype), []).append(param)
+            for params in by_kind.values():
+                flat, views = _flatten(params, params[0])
+                for param, view in zip(params, views):
+                    param.data = view
+                grad = torch.zeros_like(flat)
+                self.segments.append(FlatSegment(index, params, flat, grad, _views(grad, params)))
+        self.bound = False
+        self._param_ids = _param_ids(optimizer)
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(_gather_into(view))
+            for segment in self.segments
+            for param, view in zip(segment.params, segment.grad_views)
+        ]
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def bind_state(self, keys: Sequence[Tuple[str, ...]], with_step: bool) -> Optional[str]:
+        """Move each parameter's state tensors (``keys`` per group) into flat buffers; the reason when it cannot:
+        a parameter without state yet, or step counts that differ within a segment."""
+        state = self.optimizer.state
+        for segment in self.segments:
+            names = keys[segment.group] + (("step",) if with_step else ())
+            if any(name not in state[p] for p in segment.params for name in names):
+                return "a parameter has no optimizer state yet"
+            if with_step and len({float(state[p]["step"]) for p in segment.params}) > 1:
+                return f"param group {segment.group}: parameters have different step counts"
+        for segment in self.segments:
+            names = keys[segment.group] + (("step",) if with_step else ())
+            current = [[state[p][name] for p in segment.params] for name in names]
+            if _same_objects(current, segment.state_views):
+                continue  # still the views (an eager step updates them in place): same buffers, same addresses
+            segment.state, segment.state_views = [], []
+            for name, tensors in zip(names, current):
+                if name == "step":  # one vector, each parameter's count a 0-d view of its element
+                    flat = torch.stack([t.to(segment.param.device, torch.float32) for t in tensors])
+                    views = list(flat.unbind())
+                else:
+                    flat, views = _flatten(tensors, segment.param)
+                segment.state.append(flat)
+                segment.state_views.append(views)
+                for param, view in zip(segment.params, views):
+                    state[param][name] = view
+        self.bound = True
+        return None
+
+    def gather_grads(self) -> List[str]:
+        """Copy gradients that are not views of the flat buffer into it; what keeps the flat update from running
+        (parameters without a gradient, or with one but frozen when the layout was made)."""
+        if self._param_ids != _param_ids(self.optimizer):
+            return ["the param groups changed since the step was installed (add_param_group?)"]
+        missing = [f"frozen at install {tuple(p.shape)} has one now" for p in self.frozen if p.grad is not None]
+        sources, targets = [], []
+        for segment in self.segments:
+            for param, view in zip(segment.params, segment.grad_views):
+                grad = param.grad
+                if grad is None:
+                    missing.append(f"group {segment.group} {tuple(param.shape)} has none")
+                elif grad is not view:
+                    sources.append(grad)
+                    targets.append(view)
+        if missing:
+            return missing
+        if sources:
+            if any(grad.is_sparse for grad in sources):
+                raise RuntimeError("compiled optimizer step: sparse gradients are not supported")
+            torch._foreach_copy_(targets, sources)
+            for segment in self.segments:
+                for param, view in zip(segment.params, segment.grad_views):
+                    param.grad = view
+        return []
