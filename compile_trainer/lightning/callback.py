@@ -13,17 +13,19 @@ from typing import Any, Dict, List, Optional
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
+from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.lightning.batch_hooks import ShapeHooks
-from compile_trainer.lightning.fit_telemetry import FitTelemetry
+from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizers, describe_steps
 from compile_trainer.schema import CompilePolicy, policy_to_dict, to_policy, to_telemetry_config
 from compile_trainer.schema.shapes import describe_shapes
 
 log = logging.getLogger(__name__)
+WARM_AFTER_STEPS = 2  # the first optimizer steps run once the bundle is saved
 
 
 class CompileCallback(pl.Callback):
@@ -47,13 +49,15 @@ class CompileCallback(pl.Callback):
         self.background: Optional[BackgroundCompile] = None
         self.optimizer_steps: List[CompiledOptimizerStep] = []
         self.gradient_copies: Optional[GradientCopies] = None
+        self.cache: Optional[CompileCache] = None
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
     def summary(self) -> Dict[str, Any]:
         """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
         summary = self.telemetry.summary() if self.telemetry is not None else {}
-        return summary | (self.background.summary() if self.background is not None else {})
+        summary |= self.background.summary() if self.background is not None else {}
+        return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.optimizer_steps = compile_optimizers(
@@ -68,13 +72,17 @@ class CompileCallback(pl.Callback):
             return
         if self.telemetry is not None:
             self.telemetry.before_policy(pl_module)
+        if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
+            self.cache = CompileCache(self.policy.cache)
+            self.cache.load(pl_module, self.policy, pl_module.device)
         self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
         if self.policy.background and self.policy.enabled:
             self.background = BackgroundCompile(self.applied)
         if self.telemetry is not None:
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
-            rank_zero_info(format_plan_table(self.applied))
+            cache_line = [self.cache.describe()] if self.cache is not None else []
+            rank_zero_info("\n".join([format_plan_table(self.applied), *cache_line]))
         self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
@@ -113,10 +121,23 @@ class CompileCallback(pl.Callback):
         if self.telemetry is not None:
             compiling = self.background is not None and not self.background.installed
             self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling)
+        if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
+            self._save_cache()
+
+    def _save_cache(self) -> None:
+        """Write the bundle when warm (after the first steps, each validation, the fit); the cache decides
+        whether anything new was compiled since its last save."""
+        if self.cache is not None and self.applied is not None:
+            regions = [item.region.name for item in self.applied.compiled]
+            self.cache.save(regions, self.summary().get("compile_time_s"))
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.telemetry is not None:
             self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._save_cache()
 
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
         if self.applied is not None:  # None in trainer.validate() without a fit: nothing was compiled
@@ -126,8 +147,14 @@ class CompileCallback(pl.Callback):
         if self.background is not None and not self.background.installed:
             self.background.close()  # a thread cannot be stopped: training ended before the compile did
             _log_background(trainer, self.background)
+        self._save_cache()
+        cache = self.cache.summary(self.summary().get("compile_time_s")) if self.cache is not None else {}
         if self.telemetry is not None:
-            self.telemetry.finish(trainer)
+            self.telemetry.finish(trainer, cache)
+        if cache:
+            rank_zero_info(self.cache.describe())
+            for logger in trainer.loggers:
+                logger.log_metrics(cache_metrics(cache), step=trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.telemetry is not None:

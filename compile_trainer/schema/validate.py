@@ -16,6 +16,7 @@ from compile_trainer.schema.policy import (
     CompilePolicy,
     OptimizerPolicy,
 )
+from compile_trainer.schema.cache import cache_settings_problems
 from compile_trainer.schema.settings import MODES
 from compile_trainer.schema.shapes import bucket_lengths, dynamic_problems, padding_problems
 
@@ -50,7 +51,7 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         if rule.rest not in REST_ACTIONS:
             raise PolicyError(f"{rule_where}: invalid rest {rule.rest!r}. Valid values: {', '.join(REST_ACTIONS)}.")
         check_mode(rule_where, rule.mode)
-    for problem in shape_policy_problems(policy):
+    for problem in shape_policy_problems(policy) + cache_settings_problems(policy.cache):
         raise PolicyError(f"{where}: {problem}.")
     if policy.background:
         _check_background(where, policy)
