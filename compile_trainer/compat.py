@@ -278,7 +278,9 @@ CACHE_COUNTERS = {
 def cache_counters() -> Dict[str, tuple]:
     """Process-wide (hits, misses) per cache layer of Inductor and AOTAutograd so far."""
     counters = torch._dynamo.utils.counters
-    return {layer: (counters[group][hit], counters[group][miss]) for layer, (group, hit, miss) in CACHE_COUNTERS.items()}
+    return {
+        layer: (counters[group][hit], counters[group][miss]) for layer, (group, hit, miss) in CACHE_COUNTERS.items()
+    }
 
 
 # -- The probes --------------------------------------------------------------------------------------------

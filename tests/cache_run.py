@@ -13,9 +13,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from telemetry_models import TinyRegression  # noqa: E402
 
 from compile_trainer import CompileCallback  # noqa: E402
-from telemetry_models import TinyRegression  # noqa: E402
 
 STEPS = 3
 

@@ -33,7 +33,9 @@ class Bundle:
 
 
 def encode(manifest: Dict[str, Any], sections: Dict[str, bytes]) -> bytes:
-    listed = [{"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in sections.items()]
+    listed = [
+        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in sections.items()
+    ]
     header = json.dumps({**manifest, "sections": listed}, sort_keys=True).encode()
     return b"".join([MAGIC, len(header).to_bytes(LENGTH_BYTES, "big"), header, *sections.values()])
 

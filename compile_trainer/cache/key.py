@@ -81,7 +81,11 @@ def bundle_name(key: str) -> str:
 def mismatch(expected: Dict[str, Any], found: Dict[str, Any]) -> str:
     """The fields that differ between two sets of key fields, in words."""
     differing = [name for name in expected if expected.get(name) != found.get(name)]
-    shown = [f"{name} {found.get(name)!r} (this run: {expected.get(name)!r})" for name in differing if name != "compile_settings"]
+    shown = [
+        f"{name} {found.get(name)!r} (this run: {expected.get(name)!r})"
+        for name in differing
+        if name != "compile_settings"
+    ]
     if "compile_settings" in differing:
         shown.append("the compile settings")
     return ", ".join(shown) or "its key"

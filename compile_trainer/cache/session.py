@@ -41,7 +41,7 @@ def process_rank() -> int:
 
 
 def _date(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return datetime.datetime.fromtimestamp(timestamp, datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 @dataclass
@@ -98,7 +98,9 @@ class CompileCache:
                 return self.outcome
             bundle = decode(data)
             if bundle.manifest.get("key") != self.outcome.key:
-                raise BundleError(f"written for other settings: {mismatch(self.fields, bundle.manifest.get('fields', {}))}")
+                raise BundleError(
+                    f"written for other settings: {mismatch(self.fields, bundle.manifest.get('fields', {}))}"
+                )
             self.outcome.loaded = load_sections(bundle.sections)
         except Exception as error:  # never fail a run for its cache: compile cold instead
             self.outcome.status, self.outcome.reason = "unusable", f"{type(error).__name__}: {error}"
@@ -122,7 +124,10 @@ class CompileCache:
         """Hits and misses per cache layer (FX graph, AOTAutograd) since the load."""
         now = compat.cache_counters()
         return {
-            layer: {"hits": hits - self._counters_at_load[layer][0], "misses": misses - self._counters_at_load[layer][1]}
+            layer: {
+                "hits": hits - self._counters_at_load[layer][0],
+                "misses": misses - self._counters_at_load[layer][1],
+            }
             for layer, (hits, misses) in now.items()
         }
 

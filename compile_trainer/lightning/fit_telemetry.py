@@ -257,7 +257,7 @@ class FitTelemetry:
 
 def cache_metrics(cache_summary: Dict[str, Any]) -> Dict[str, float]:
     """The compile cache's numbers as logger series (``cache/<key>``); ``cache/hit`` is 1 for a hit, else 0."""
-    values = {f"cache/{key[len('cache_'):]}": value for key, value in cache_summary.items()}
+    values = {f"cache/{key[len('cache_') :]}": value for key, value in cache_summary.items()}
     numbers = {key: float(value) for key, value in values.items() if isinstance(value, (int, float))}
     return numbers | {"cache/hit": float(cache_summary.get("cache_status") == "hit")}
 

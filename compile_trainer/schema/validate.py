@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from compile_trainer.schema.cache import cache_settings_problems
 from compile_trainer.schema.policy import (
     ACTIONS,
     OPTIMIZER_CANDIDATES,
@@ -16,7 +17,6 @@ from compile_trainer.schema.policy import (
     CompilePolicy,
     OptimizerPolicy,
 )
-from compile_trainer.schema.cache import cache_settings_problems
 from compile_trainer.schema.settings import MODES
 from compile_trainer.schema.shapes import bucket_lengths, dynamic_problems, padding_problems
 
