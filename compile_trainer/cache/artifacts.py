@@ -108,6 +108,7 @@ def load_sections(sections: Dict[str, bytes]) -> Dict[str, float]:
         loaded["cache_dirs_load_s"] = time.perf_counter() - started
     if "mega_cache" in sections:
         started = time.perf_counter()
-        torch.compiler.load_cache_artifacts(sections["mega_cache"])
+        if torch.compiler.load_cache_artifacts(sections["mega_cache"]) is None:
+            raise ValueError("torch could not read the mega-cache section (torch.compiler logged why)")
         loaded["mega_cache_load_s"] = time.perf_counter() - started
     return loaded
