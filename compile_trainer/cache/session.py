@@ -101,7 +101,7 @@ class CompileCache:
                 raise BundleError(
                     f"written for other settings: {mismatch(self.fields, bundle.manifest.get('fields', {}))}"
                 )
-            self.outcome.loaded = load_sections(bundle.sections)
+            self.outcome.loaded = load_sections({k: v for k, v in bundle.sections.items() if k in self.settings.layers})
         except Exception as error:  # never fail a run for its cache: compile cold instead
             self.outcome.status, self.outcome.reason = "unusable", f"{type(error).__name__}: {error}"
             warnings.warn(
