@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile_cache.json")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
     parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per phase")
@@ -195,7 +196,7 @@ def main() -> None:
                 cache_dir = args.cache_dir or str(work / "bundles")
                 cold_machine = work / f"{model}_{policy}_cold"
                 results = {}
-                for phase in PHASES:
+                for phase in ["cold", *(p for p in args.phases if p != "cold")]:
                     machine = cold_machine if phase in ("cold", "same_machine") else work / f"{model}_{policy}_{phase}"
                     results[phase] = launch(args, model, policy, phase, machine, cache_dir)
                     cold = results["cold"]
