@@ -190,3 +190,25 @@ def test_cache_section_errors_name_what_is_valid():
         to_policy("regional", cache={"dir": "/tmp/x", "mode": "rw"})
     with pytest.raises(PolicyError, match="Give one or more of: mega_cache, cache_dirs"):
         to_policy("regional", cache={"dir": "/tmp/x", "layers": ["triton"]})
+
+
+def test_every_rank_reads_and_only_rank_zero_writes(tmp_path, monkeypatch):
+    """Ranks from torch.distributed, else the launcher's RANK; a real (tiny) Inductor compile in between."""
+    from compile_trainer import compat
+    from compile_trainer.cache.session import CompileCache, process_rank
+
+    monkeypatch.setenv("RANK", "1")
+    assert process_rank() == 1
+    model = torch.nn.Linear(4, 4)
+    policy = to_policy("full", cache={"dir": str(tmp_path)})
+    ranks = [CompileCache(policy.cache, rank=rank) for rank in (1, 0)]
+    for cache in ranks:
+        assert cache.load(model, policy, torch.device("cpu")).status == "miss"
+    with compat.fresh_inductor_cache():
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4))
+    assert not ranks[0].save(["model"], 1.0) and not list(tmp_path.iterdir())
+    assert ranks[1].save(["model"], 1.0) and len(list(tmp_path.iterdir())) == 1
+    assert not ranks[1].save(["model"], 1.0)  # nothing compiled since: nothing rewritten
+    reader = CompileCache(policy.cache, rank=1)
+    assert reader.load(model, policy, torch.device("cpu")).status == "hit"
+    assert reader.outcome.cold_compile_s == 1.0 and reader.describe().startswith("cache: hit, bundle of ")
