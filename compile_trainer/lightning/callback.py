@@ -25,7 +25,7 @@ from compile_trainer.schema import CompilePolicy, policy_to_dict, to_policy, to_
 from compile_trainer.schema.shapes import describe_shapes
 
 log = logging.getLogger(__name__)
-WARM_AFTER_STEPS = 2  # the first optimizer steps run once the bundle is saved
+WARM_AFTER_STEPS = 2  # optimizer steps after which the compile cache writes its bundle (all of a step compiled)
 
 
 class CompileCallback(pl.Callback):
