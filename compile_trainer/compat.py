@@ -262,13 +262,15 @@ def fresh_inductor_cache() -> Any:
 
 def inductor_cache_dir() -> str:
     """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_<user>``); its
-    ``triton/`` holds the compiled kernels unless ``TRITON_CACHE_DIR`` is set (checked 2.9.1-2.13)."""
+    ``triton/`` holds the compiled kernels unless ``TRITON_CACHE_DIR`` is set (checked 2.13 on the CPU; not yet
+    run on 2.9-2.11)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
 
 
-# Cache layer -> (counter group, hit counter, miss counter) in torch._dynamo.utils.counters (checked 2.9.1-2.13).
+# Cache layer -> (counter group, hit counter, miss counter) in torch._dynamo.utils.counters (checked 2.13; its probe
+# finds the names in torch's sources, so a rename fails there).
 CACHE_COUNTERS = {
     "fx_graph": ("inductor", "fxgraph_cache_hit", "fxgraph_cache_miss"),
     "aot_autograd": ("aot_autograd", "autograd_cache_hit", "autograd_cache_miss"),
