@@ -212,3 +212,21 @@ def test_every_rank_reads_and_only_rank_zero_writes(tmp_path, monkeypatch):
     reader = CompileCache(policy.cache, rank=1)
     assert reader.load(model, policy, torch.device("cpu")).status == "hit"
     assert reader.outcome.cold_compile_s == 1.0 and reader.describe().startswith("cache: hit, bundle of ")
+
+
+def test_the_runs_of_a_multirun_read_the_bundle_the_first_one_wrote(tmp_path):
+    """Two seeds of one policy, each with empty local caches (sweep.fresh_cache): the second loads the bundle."""
+    from compile_trainer.runs.results import RESULT_FILE, read_result
+    from tests.test_train_script import ROOT, TINY
+
+    directory, bundles = tmp_path / "sweep", tmp_path / "bundles"
+    overrides = ["compile=regional", "compile.backend=inductor", f"compile.cache.dir={bundles}", "seed=0,1"]
+    overrides += ["sweep.fresh_cache=true", "trainer.max_steps=3", "logger=csv", f"hydra.sweep.dir={directory}"]
+    command = [sys.executable, "train.py", "-m", *TINY, *overrides]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = (read_result(directory / str(job) / RESULT_FILE)["summary"] for job in (0, 1))
+    assert first["cache_status"] == "miss" and first["cache_saves"] >= 1
+    assert second["cache_status"] == "hit" and second["cache_key"] == first["cache_key"]
+    assert second["cache_fx_graph_misses"] == 0 and second["cache_fx_graph_hits"] > 0
+    assert second["compile_time_s"] < first["compile_time_s"]

@@ -111,7 +111,7 @@ def test_report_in_markdown_ranked_by_compile_time(sweep, capsys):
     directory, _ = sweep
     assert cli_main(["report", str(directory), "--markdown", "--objective", "compile_time", "--no-plot"]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| # | policy | status | compile s | steady tokens/s | vs none")
+    assert table[0].startswith("| # | policy | status | compile s | cache | cold compile s | steady tokens/s | vs none")
     assert table[2].startswith("| 1 | none | ok | 0.0 |") and table[-1].startswith("| 4 | broken | failed: PolicyError")
     report = build_report(directory, objective="compile_time")
     compile_times = [run.summary("compile_time_s") for run in report.ranked if run.ok]
