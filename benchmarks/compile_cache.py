@@ -13,9 +13,11 @@ Models: the recipe's ``gpt2_small`` (recipes.gpt, batch 8 x 1024) and the HF Lla
 (LlamaForCausalLM, 16 layers, batch 8 x 1024); bf16 autocast, fused AdamW. Policies: ``regional`` and ``full``
 (whole model, ``mode: reduce-overhead`` as in the issue's measurement).
 
-GPU run (one command, about 6 minutes on an H100):
+GPU run (one command, about 6 minutes on an H100; or split in two, ``--append`` adding to the first's file):
 
     python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
+    python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
+    python benchmarks/compile_cache.py --models llama --append --out benchmarks/results/compile_cache.json
 
 CPU smoke run (tiny configs, Inductor on the CPU), as the tests run it:
 
@@ -178,6 +180,7 @@ def main() -> None:
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
     parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
+    parser.add_argument("--append", action="store_true", help="add the rows to --out's (a run split in two)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per phase")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -216,6 +219,8 @@ def main() -> None:
         "new_machine_mega loads only its mega-cache (torch.compiler.load_cache_artifacts).",
         "full runs with mode reduce-overhead (CUDA graphs), like regional.",
     ]
+    if args.append and args.out.exists():
+        rows = json.loads(args.out.read_text())["rows"] + rows
     write_result(args.out, "compile_cache", "Compile cache: cold vs same machine vs new machine", COLUMNS, rows, notes)
     print(format_table(COLUMNS, rows))
     print(f"wrote {args.out}")
