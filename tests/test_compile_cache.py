@@ -75,7 +75,7 @@ def _write_many(location: str, payload: bytes, times: int) -> None:
 
 def test_two_writers_at_once_leave_one_whole_bundle(tmp_path):
     payloads = [b"a" * 3_000_000, b"b" * 2_000_000]
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")  # two processes, without re-importing this module
     writers = [context.Process(target=_write_many, args=(str(tmp_path), p, 8)) for p in payloads]
     for writer in writers:
         writer.start()
