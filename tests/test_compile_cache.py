@@ -190,6 +190,9 @@ def test_cache_section_errors_name_what_is_valid():
         to_policy("regional", cache={"dir": "/tmp/x", "mode": "rw"})
     with pytest.raises(PolicyError, match="Give one or more of: mega_cache, cache_dirs"):
         to_policy("regional", cache={"dir": "/tmp/x", "layers": ["triton"]})
+    with pytest.raises(PolicyError, match=r"cache.dir='nosuch://bucket/x' needs fsspec with nosuch:// support"):
+        CompileCallback("regional", cache={"dir": "nosuch://bucket/x"})  # before any training
+    CompileCallback("regional", cache={"dir": "s3://bucket/x"})  # s3fs is installed (the dev extra)
 
 
 def test_every_rank_reads_and_only_rank_zero_writes(tmp_path, monkeypatch):

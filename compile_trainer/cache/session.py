@@ -197,6 +197,7 @@ class CompileCache:
             "cache_saves": self.outcome.saves,
             "cache_save_s": self.outcome.save_s,
         }
+        values |= {f"cache_{name}": value for name, value in self.outcome.loaded.items()}  # per bundle layer
         for layer, counts in self.layer_counts().items():
             values[f"cache_{layer}_hits"], values[f"cache_{layer}_misses"] = counts["hits"], counts["misses"]
         return values

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional
 
+from compile_trainer.schema.cache import url_protocol
+
 # Object stores: a put is atomic per object, and a rename is a copy (not atomic), so write in place.
 OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
@@ -25,16 +27,12 @@ class StoredBundle:
     modified: float  # seconds since the epoch
 
 
-def is_url(location: str) -> bool:
-    return "://" in location and not location.startswith("file://")
-
-
 class BundleStore:
     """The bundles of one cache directory, by file name."""
 
     def __init__(self, location: str):
         self.location = str(location).rstrip("/")
-        self.local: Optional[Path] = None if is_url(self.location) else Path(self.location.removeprefix("file://"))
+        self.local = None if url_protocol(self.location) else Path(self.location.removeprefix("file://"))
         self.fs: Any = None
         self.root = self.location
         if self.local is None:

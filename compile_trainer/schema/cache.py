@@ -34,6 +34,14 @@ class CacheSettings:
         return self.active and self.mode == "read-write"
 
 
+def url_protocol(location: str) -> Optional[str]:
+    """The fsspec protocol of a URL (``s3`` for ``s3://bucket/x``); ``None`` for a local path (``file://`` too)."""
+    if "://" not in location:
+        return None
+    protocol = location.split("://", 1)[0]
+    return None if protocol == "file" else protocol
+
+
 def cache_settings_problems(settings: CacheSettings) -> List[str]:
     """What is wrong with ``settings``, as messages naming what is valid (empty when all is well)."""
     problems = []
