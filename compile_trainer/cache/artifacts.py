@@ -104,8 +104,8 @@ def load_sections(sections: Dict[str, bytes]) -> Dict[str, float]:
     loaded: Dict[str, float] = {}
     if "cache_dirs" in sections:
         started = time.perf_counter()
-        loaded["cache_dir_files"] = unpack_cache_dirs(sections["cache_dirs"])
-        loaded["cache_dirs_load_s"] = time.perf_counter() - started
+        loaded["dir_files"] = unpack_cache_dirs(sections["cache_dirs"])
+        loaded["dirs_load_s"] = time.perf_counter() - started
     if "mega_cache" in sections:
         started = time.perf_counter()
         if torch.compiler.load_cache_artifacts(sections["mega_cache"]) is None:
