@@ -31,7 +31,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 EXPERIMENTS = "experiments"
 # Headline sections in this order; other headline files follow alphabetically, then the sweeps.
-HEADLINE_ORDER = ["train_step", "real_models", "optimizer", "dynamic_shapes", "telemetry_overhead", "cuda_graph_checks"]
+HEADLINE_ORDER = [
+    "train_step",
+    "real_models",
+    "compile_cache",
+    "optimizer",
+    "dynamic_shapes",
+    "telemetry_overhead",
+    "cuda_graph_checks",
+]
 # Experiment sections grouped by question, in this order; other experiment files follow, newest first.
 EXPERIMENT_ORDER = [
     "train_step_regional_goal_200_steps",

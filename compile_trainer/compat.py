@@ -10,6 +10,7 @@ Supported: torch >= 2.9 (checked on 2.9.1, 2.13.0 on the CPU; 2.11.0 on an H100)
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -273,6 +274,31 @@ def fresh_inductor_cache() -> Any:
     return utils.fresh_cache() if hasattr(utils, "fresh_cache") else utils.fresh_inductor_cache()
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR``, else ``/tmp/torchinductor_<user>``); its
+    ``triton/`` holds the compiled kernels unless ``TRITON_CACHE_DIR`` is set (checked 2.13 on the CPU; not yet
+    run on 2.9-2.11)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+# Cache layer -> (counter group, hit counter, miss counter) in torch._dynamo.utils.counters (checked 2.13; its probe
+# finds the names in torch's sources, so a rename fails there).
+CACHE_COUNTERS = {
+    "fx_graph": ("inductor", "fxgraph_cache_hit", "fxgraph_cache_miss"),
+    "aot_autograd": ("aot_autograd", "autograd_cache_hit", "autograd_cache_miss"),
+}
+
+
+def cache_counters() -> Dict[str, tuple]:
+    """Process-wide (hits, misses) per cache layer of Inductor and AOTAutograd so far."""
+    counters = torch._dynamo.utils.counters
+    return {
+        layer: (counters[group][hit], counters[group][miss]) for layer, (group, hit, miss) in CACHE_COUNTERS.items()
+    }
+
+
 # -- The probes --------------------------------------------------------------------------------------------
 
 
@@ -301,6 +327,19 @@ def _probe_compiled_call() -> None:
     assert user_compiled(module) is None and user_compiled(torch.compile(module)) == "torch.compile(module)"
 
 
+def _probe_cache_counters() -> None:
+    """The counters are a defaultdict (a renamed one reads 0 forever): the names must be in torch's sources."""
+    import inspect
+
+    from torch._functorch._aot_autograd import autograd_cache
+    from torch._inductor import codecache
+
+    sources = inspect.getsource(codecache) + inspect.getsource(autograd_cache)
+    for group, hit, miss in CACHE_COUNTERS.values():
+        assert f'counters["{group}"]["{hit}"]' in sources and f'counters["{group}"]["{miss}"]' in sources, (hit, miss)
+    assert set(cache_counters()) == set(CACHE_COUNTERS)
+
+
 ENTRIES = [
     Entry("dynamo_callback_handler", lambda: dynamo_callback_handler().register_start_callback),
     Entry("compilation_metrics", lambda: list(compilation_metrics())),
@@ -322,6 +361,8 @@ ENTRIES = [
     Entry("fx_patcher", lambda: fx_patcher().patch_method),
     Entry("optimizer internals", _probe_optimizer),
     Entry("fresh_inductor_cache", fresh_inductor_cache),
+    Entry("inductor_cache_dir", lambda: os.path.isdir(inductor_cache_dir())),
+    Entry("cache_counters", _probe_cache_counters),
 ]
 # Present from the version named: probed only there.
 VERSIONED_ENTRIES = [

@@ -10,8 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "compile_trainer"
 # Bottom first: a module may import from its own layer and the layers before it.
-LAYERS = ["compat", "tables", "schema", "planning", "compiling", "shapes", "optimizer", "telemetry", "lightning",
-          "runs", "cli"]  # fmt: skip
+LAYERS = ["compat", "tables", "schema", "planning", "compiling", "cache", "shapes", "optimizer", "telemetry",
+          "lightning", "runs", "cli"]  # fmt: skip
 TOP = ["__init__", "__main__"]
 
 

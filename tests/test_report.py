@@ -15,8 +15,11 @@ from compile_trainer.schema import SettingsError, to_sweep_settings
 TOKENS_PER_STEP = 1000
 
 
-def write_run(directory, job, policy, *, step=0.1, compile_s=0.0, compile_steps=0, loss=2.0, steps=100, **extra):
-    """A result file like train.py writes: ``steps`` steps, the compile steps taking ``compile_s`` more each."""
+def write_run(
+    directory, job, policy, *, step=0.1, compile_s=0.0, compile_steps=0, loss=2.0, steps=100, cache=None, **extra
+):
+    """A result file like train.py writes: ``steps`` steps, the compile steps taking ``compile_s`` more each;
+    ``cache``: the compile cache's summary keys."""
     steady = steps - compile_steps
     result = {
         "status": "ok",
@@ -36,6 +39,7 @@ def write_run(directory, job, policy, *, step=0.1, compile_s=0.0, compile_steps=
             "steady_step_time_s": step,
             "steady_items_per_s": TOKENS_PER_STEP / step,
             "peak_memory_bytes": 2**30,
+            **(cache or {}),
         },
         "final_train_loss": loss,
         "final_val_loss": loss,
@@ -79,10 +83,10 @@ def test_payback_loss_check_unequal_runs_and_a_run_without_result(sweep_dir, cap
         "1", "2", "3", "4", "5", "6"
     ]  # fmt: skip
     # full: 10 s more in its compile step, 0.05 s saved per step -> even with none after 200 steps
-    assert rows["full"][5:7] == ["2.00x", "200"]
-    assert rows["regional"][5:7] == ["0.83x", "never"]
-    assert rows["none"][5:7] == ["1.00x", "-"]
-    assert rows["max_autotune"][11:] == ["2.2000", "+10.00%"]
+    assert rows["full"][7:9] == ["2.00x", "200"]
+    assert rows["regional"][7:9] == ["0.83x", "never"]
+    assert rows["none"][7:9] == ["1.00x", "-"]
+    assert rows["max_autotune"][13:] == ["2.2000", "+10.00%"]
     assert rows["buckets"][2] == "no result" and set(rows["buckets"][3:]) == {"-"}
     assert "6 runs, 5 ok, 0 failed, 1 without a result" in text
     assert re.search(r"max_autotune: final loss 2\.2000 is \+10\.0% off none's 2\.0000 \(tolerance 2%\)", text)
@@ -103,7 +107,20 @@ def test_loss_tolerance_and_objective_change_the_verdict(sweep_dir, capsys):
     assert report.recommendation().startswith("Recommendation: none (best train_time: 10.0 s; no compiled policy")
     assert cli_main(["report", str(sweep_dir), "--objective", "memory", "--no-plot", "--markdown"]) == 0
     markdown = capsys.readouterr().out
-    assert "| 1 | none | ok | 0.0 | 10,000 | 1.00x | - | 0 | 0 | 0 | 1.00 | 2.0000 | +0.00% |" in markdown
+    assert "| 1 | none | ok | 0.0 | - | - | 10,000 | 1.00x | - | 0 | 0 | 0 | 1.00 | 2.0000 | +0.00% |" in markdown
+
+
+def test_cold_and_warm_compiles_are_shown_apart(tmp_path, capsys):
+    """A run that loaded a compile-cache bundle shows its own (warm) compile and the bundle's cold compile."""
+    write_run(tmp_path, 0, "none")
+    cold = {"cache_status": "miss"}
+    write_run(tmp_path, 1, "regional", compile_s=12.0, compile_steps=1, cache=cold, overrides=["seed=1"])
+    warm = {"cache_status": "hit", "cache_cold_compile_s": 12.0}
+    write_run(tmp_path, 2, "regional", compile_s=1.5, compile_steps=1, cache=warm, overrides=["seed=2"])
+    assert cli_main(["report", str(tmp_path), "--no-plot"]) == 0
+    rows = {cells[4]: cells for cells in report_rows(capsys.readouterr().out).values()}
+    assert rows["miss"][3:6] == ["12.0", "miss", "12.0"]
+    assert rows["hit"][3:6] == ["1.5", "hit", "12.0"]
 
 
 def test_labels_name_the_overrides_that_vary_and_no_baseline_is_said(tmp_path):

@@ -90,14 +90,15 @@ def test_report_ranks_the_runs_flags_the_failed_one_and_plots(sweep, tmp_path, c
     rows = report_rows(text)
     assert set(rows) == {"none", "full", "regional", "broken"}
     assert rows["broken"][0] == "4" and rows["broken"][2] == "failed: PolicyError" and set(rows["broken"][3:]) == {"-"}
-    assert rows["none"][3] == "0.0" and rows["none"][5] == "1.00x"
+    assert rows["none"][3] == "0.0" and rows["none"][7] == "1.00x"
     for policy in ("full", "regional"):
-        compile_s, tokens_s, speedup = rows[policy][3], rows[policy][4], rows[policy][5]
+        compile_s, tokens_s, speedup = rows[policy][3], rows[policy][6], rows[policy][7]
+        assert rows[policy][4:6] == ["-", "-"], "no compile cache: no cache status, no cold compile apart"
         assert float(compile_s) > 0 and float(tokens_s.replace(",", "")) > 0 and speedup.endswith("x")
-        assert rows[policy][7] == "0", "validation under no_grad is a grad-mode variant, not a recompile"
-        loss_change = float(rows[policy][12].rstrip("%"))
+        assert rows[policy][9] == "0", "validation under no_grad is a grad-mode variant, not a recompile"
+        loss_change = float(rows[policy][14].rstrip("%"))
         assert abs(loss_change) < 2, "aot_eager trains like eager"
-    throughputs = [float(rows[p][4].replace(",", "")) for p in sorted(rows, key=lambda p: rows[p][0])[:3]]
+    throughputs = [float(rows[p][6].replace(",", "")) for p in sorted(rows, key=lambda p: rows[p][0])[:3]]
     assert throughputs == sorted(throughputs, reverse=True), "ranked by steady throughput"
     assert re.search(r"broken: failed: PolicyError: .*invalid mode 'turbo'", text)
     assert "Equal comparison: yes" in text and "seed 0, 6 steps" in text
@@ -110,7 +111,7 @@ def test_report_in_markdown_ranked_by_compile_time(sweep, capsys):
     directory, _ = sweep
     assert cli_main(["report", str(directory), "--markdown", "--objective", "compile_time", "--no-plot"]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert table[0].startswith("| # | policy | status | compile s | steady tokens/s | vs none")
+    assert table[0].startswith("| # | policy | status | compile s | cache | cold compile s | steady tokens/s | vs none")
     assert table[2].startswith("| 1 | none | ok | 0.0 |") and table[-1].startswith("| 4 | broken | failed: PolicyError")
     report = build_report(directory, objective="compile_time")
     compile_times = [run.summary("compile_time_s") for run in report.ranked if run.ok]

@@ -59,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", type=Path, help=f"where to write the plot (default <directory>/{PLOT_FILE})")
     report.add_argument("--no-plot", action="store_true", help="write no plot")
     report.add_argument("--markdown", action="store_true", help="print Markdown (to paste into docs/)")
+    cache = commands.add_parser(
+        "cache",
+        help="list, inspect or prune the compile-cache bundles of a directory or URL",
+        description="The bundles a policy's `cache.dir` holds (a local directory or an fsspec URL such as s3://...).",
+    )
+    actions = cache.add_subparsers(dest="action", required=True)
+    listing = actions.add_parser("list", help="every bundle: key, size, date, torch, device, regions, cold compile")
+    listing.add_argument("dir", help="the cache directory or URL (the policy's cache.dir)")
+    inspect = actions.add_parser("inspect", help="one bundle: key, versions, regions, sections, checksums")
+    inspect.add_argument("dir", help="the cache directory or URL")
+    inspect.add_argument("key", help="the bundle's key (as `list` shows it)")
+    prune = actions.add_parser("prune", help="delete old bundles")
+    prune.add_argument("dir", help="the cache directory or URL")
+    prune.add_argument("--older-than", type=float, metavar="DAYS", help="delete bundles written more than DAYS ago")
+    prune.add_argument("--keep", type=int, metavar="N", help="keep only the N newest bundles")
+    prune.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
     return parser
 
 
@@ -93,12 +109,30 @@ def run_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def run_cache(args: argparse.Namespace) -> int:
+    from compile_trainer.cli.cache import CacheCommandError, inspect_bundle, list_bundles, prune_bundles
+
+    try:
+        if args.action == "list":
+            print(list_bundles(args.dir))
+        elif args.action == "inspect":
+            print(inspect_bundle(args.dir, args.key))
+        else:
+            print(prune_bundles(args.dir, args.older_than, args.keep, args.dry_run))
+    except (CacheCommandError, RuntimeError, OSError) as error:
+        print(f"compile-trainer cache: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "explain":
         return run_explain(args)
     if args.command == "report":
         return run_report(args)
+    if args.command == "cache":
+        return run_cache(args)
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse only accepts known commands
 
 

@@ -1,7 +1,8 @@
 """Checks of a policy against the installed torch, run where the policy is applied (before training).
 
 The schema's own checks (``compile_trainer.schema.validate``) need nothing but the policy; these need torch:
-which backends exist, whether background compilation and nested regions are available.
+which backends exist, whether background compilation and nested regions are available, whether the compile
+cache's URL can be reached with the installed packages.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Optional
 
 from compile_trainer import compat
 from compile_trainer.schema import CompilePolicy, PolicyError
+from compile_trainer.schema.cache import url_protocol
 
 
 def check_backend(where: str, backend: Optional[str]) -> None:
@@ -21,6 +23,24 @@ def check_backend(where: str, backend: Optional[str]) -> None:
 def background_compile_problem() -> Optional[str]:
     """Why background compilation cannot work with this torch, or None."""
     return compat.eager_backward_lowering_problem()
+
+
+def cache_storage_problem(location: str) -> Optional[str]:
+    """Why the installed packages cannot reach the cache URL ``location`` (fsspec and its protocol's), or None."""
+    protocol = url_protocol(location)
+    if protocol is None:
+        return None
+    try:
+        import fsspec
+
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as error:
+        return (
+            f"cache.dir={location!r} needs fsspec with {protocol}:// support ({type(error).__name__}: {error}); "
+            "pip install 'compile_trainer[remote-cache]' gives fsspec and s3fs (gcsfs for gs://); a local "
+            "directory needs neither"
+        )
+    return None
 
 
 def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
@@ -38,4 +58,8 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
     if nested and policy.enabled and not compat.has_nested_compile_region():
         problem = compat.needs_torch("rest: nested (torch.compiler.nested_compile_region)", (2, 8))
         raise PolicyError(f"{where}, rule {nested[0]}: {problem}.")
+    if policy.cache.active:
+        problem = cache_storage_problem(str(policy.cache.dir))
+        if problem:
+            raise PolicyError(f"{where}: {problem}.")
     return policy

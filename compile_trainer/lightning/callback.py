@@ -14,12 +14,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.lightning.batch_hooks import ShapeHooks
-from compile_trainer.lightning.fit_telemetry import FitTelemetry
+from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
 from compile_trainer.optimizer import (
     CompiledOptimizerStep,
     OptimizerChoice,
@@ -31,6 +32,7 @@ from compile_trainer.schema import CompilePolicy, policy_to_dict, to_policy, to_
 from compile_trainer.schema.shapes import describe_shapes
 
 log = logging.getLogger(__name__)
+WARM_AFTER_STEPS = 2  # optimizer steps after which the compile cache writes its bundle (all of a step compiled)
 
 
 class CompileCallback(pl.Callback):
@@ -55,13 +57,15 @@ class CompileCallback(pl.Callback):
         self.optimizer_steps: List[CompiledOptimizerStep] = []
         self.gradient_copies: Optional[GradientCopies] = None
         self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
+        self.cache: Optional[CompileCache] = None
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
     def summary(self) -> Dict[str, Any]:
         """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
         summary = self.telemetry.summary() if self.telemetry is not None else {}
-        return summary | (self.background.summary() if self.background is not None else {})
+        summary |= self.background.summary() if self.background is not None else {}
+        return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.optimizer_steps = compile_optimizers(
@@ -77,13 +81,17 @@ class CompileCallback(pl.Callback):
             return
         if self.telemetry is not None:
             self.telemetry.before_policy(pl_module)
+        if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
+            self.cache = CompileCache(self.policy.cache)
+            self.cache.load(pl_module, self.policy, pl_module.device)
         self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
         if self.policy.background and self.policy.enabled:
             self.background = BackgroundCompile(self.applied)
         if self.telemetry is not None:
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
-            rank_zero_info(format_plan_table(self.applied))
+            cache_line = [self.cache.describe()] if self.cache is not None else []
+            rank_zero_info("\n".join([format_plan_table(self.applied), *cache_line]))
         chosen = self.shape_hooks.choose_auto_buckets() if self.shape_hooks is not None else None
         if chosen and self.print_plan:
             rank_zero_info(chosen)
@@ -140,10 +148,23 @@ class CompileCallback(pl.Callback):
         if self.telemetry is not None:
             compiling = self.background is not None and not self.background.installed
             self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling)
+        if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
+            self._save_cache()
+
+    def _save_cache(self) -> None:
+        """Write the bundle when warm (after the first steps, each validation, the fit); the cache decides
+        whether anything new was compiled since its last save."""
+        if self.cache is not None and self.applied is not None:
+            regions = [item.region.name for item in self.applied.compiled]
+            self.cache.save(regions, self.summary().get("compile_time_s"))
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.telemetry is not None:
             self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._save_cache()
 
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
         if self.applied is not None:  # None in trainer.validate() without a fit: nothing was compiled
@@ -153,8 +174,14 @@ class CompileCallback(pl.Callback):
         if self.background is not None and not self.background.installed:
             self.background.close()  # a thread cannot be stopped: training ended before the compile did
             _log_background(trainer, self.background)
+        self._save_cache()
+        cache = self.cache.summary(self.summary().get("compile_time_s")) if self.cache is not None else {}
         if self.telemetry is not None:
-            self.telemetry.finish(trainer)
+            self.telemetry.finish(trainer, cache)
+        if cache:
+            rank_zero_info(self.cache.describe())
+            for logger in trainer.loggers:
+                logger.log_metrics(cache_metrics(cache), step=trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.telemetry is not None:

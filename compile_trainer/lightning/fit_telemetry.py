@@ -126,10 +126,11 @@ class FitTelemetry:
         if self._steps % every == 0:
             self.log_metrics(trainer)
 
-    def finish(self, trainer: pl.Trainer) -> None:
-        """End of fit: the last series, W&B tables and summary, and the summary table on the console."""
+    def finish(self, trainer: pl.Trainer, extra: Optional[Dict[str, Any]] = None) -> None:
+        """End of fit: the last series, W&B tables and summary, and the summary table on the console.
+        ``extra``: more headline numbers for the W&B summary (the compile cache's)."""
         self.log_metrics(trainer)
-        summary = self.summary()
+        summary = {**self.summary(), **(extra or {})}
         for logger in trainer.loggers:
             if _is_wandb(logger):
                 self._log_wandb(logger, summary)
@@ -178,6 +179,8 @@ class FitTelemetry:
             values[f"{prefix}/grad_mode_variants"] = stats.grad_mode_variants
             values[f"{prefix}/graphs"] = stats.graphs
             values[f"{prefix}/compile_time_s"] = stats.compile_time_s
+            values[f"{prefix}/cache_hits"] = stats.cache_hits
+            values[f"{prefix}/cache_misses"] = stats.cache_misses
         values["throughput/compile_steps"] = self.throughput.compiling.steps
         for key, value in self.throughput.interval().items():
             values[f"throughput/{key}"] = value
@@ -218,6 +221,8 @@ class FitTelemetry:
             "graphs",
             "compile_time_s",
             "graph_breaks",
+            "cache_hits",
+            "cache_misses",
         ]
         run.log(
             {
@@ -259,6 +264,13 @@ class FitTelemetry:
         if summary["cudagraph_skips"]:
             lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
         return "\n".join(lines)
+
+
+def cache_metrics(cache_summary: Dict[str, Any]) -> Dict[str, float]:
+    """The compile cache's numbers as logger series (``cache/<key>``); ``cache/hit`` is 1 for a hit, else 0."""
+    values = {f"cache/{key[len('cache_') :]}": value for key, value in cache_summary.items()}
+    numbers = {key: float(value) for key, value in values.items() if isinstance(value, (int, float))}
+    return numbers | {"cache/hit": float(cache_summary.get("cache_status") == "hit")}
 
 
 def _train_step_context(trainer: pl.Trainer) -> ContextManager[None]:

@@ -34,6 +34,8 @@ COLUMNS = (
     "policy",
     "status",
     "compile s",
+    "cache",
+    "cold compile s",
     "steady tokens/s",
     "vs none",
     "pays off after",
@@ -44,6 +46,15 @@ COLUMNS = (
     "final loss",
     "loss vs none",
 )
+
+
+def cold_compile_time(result: Dict[str, Any]) -> Optional[float]:
+    """The compile time without a compile-cache bundle: the bundle's cold compile for a run that loaded one, the
+    run's own compile time for a run that had none (its compile s is then its cold compile)."""
+    summary = result.get("summary") or {}
+    if summary.get("cache_status") == "hit":
+        return summary.get("cache_cold_compile_s")
+    return summary.get("compile_time_s") if summary.get("cache_status") in ("miss", "unusable") else None
 
 
 class ReportError(ValueError):
@@ -279,6 +290,8 @@ class Report:
                     run.label,
                     f"failed: {run.result['error']['type']}" if run.status == "failed" else run.status,
                     _fmt(run.summary("compile_time_s") if ok else None, "{:,.1f}"),
+                    run.summary("cache_status") or "-",
+                    _fmt(cold_compile_time(run.result) if ok else None, "{:,.1f}"),
                     _fmt(objective_value(run.result, "throughput") if ok else None, "{:,.0f}"),
                     _fmt(self.speedup(run), "{:.2f}x"),
                     _steps(self.payback_steps(run)),

@@ -1,10 +1,11 @@
 """The schema layer: every declaration of a policy and its pure checks; imports nothing of the runtime.
 
 ``CompileSettings`` (declared once), ``Rule``, ``CompilePolicy``, ``OptimizerPolicy``, ``ShapesPolicy``,
-``TelemetryConfig``, ``SweepSettings``; ``validate_policy`` and friends check them without torch, and
+``TelemetryConfig``, ``SweepSettings``, ``CacheSettings``; ``validate_policy`` and friends check them without torch, and
 ``to_policy`` builds a validated policy from a bundled name, a dict or a Hydra config.
 """
 
+from compile_trainer.schema.cache import CacheSettings
 from compile_trainer.schema.load import (
     SettingsError,
     bundled_policy_dir,
@@ -22,6 +23,7 @@ from compile_trainer.schema.telemetry import TelemetryConfig
 from compile_trainer.schema.validate import PolicyError, validate_optimizer_policy, validate_policy
 
 __all__ = [
+    "CacheSettings",
     "CompilePolicy",
     "CompileSettings",
     "DynamicDim",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from compile_trainer.schema.cache import CacheSettings
 from compile_trainer.schema.settings import CompileSettings, SettingsOverrides, settings_of
 from compile_trainer.schema.shapes import ShapesPolicy
 
@@ -95,6 +96,8 @@ class CompilePolicy(CompileSettings):
     # Variable-length batches: mark_dynamic axes, padding buckets, warm-up, strict recompiles.
     shapes: ShapesPolicy = field(default_factory=ShapesPolicy)
     optimizer: OptimizerPolicy = field(default_factory=OptimizerPolicy)
+    # A compile cache kept between runs and machines (compile_trainer.cache).
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     @property
     def settings(self) -> CompileSettings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from compile_trainer.schema.cache import cache_settings_problems
 from compile_trainer.schema.policy import (
     ACTIONS,
     OPTIMIZER_CANDIDATES,
@@ -55,7 +56,7 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         if rule.rest not in REST_ACTIONS:
             raise PolicyError(f"{rule_where}: invalid rest {rule.rest!r}. Valid values: {', '.join(REST_ACTIONS)}.")
         check_mode(rule_where, rule.mode)
-    for problem in shape_policy_problems(policy):
+    for problem in shape_policy_problems(policy) + cache_settings_problems(policy.cache):
         raise PolicyError(f"{where}: {problem}.")
     if policy.background:
         _check_background(where, policy)

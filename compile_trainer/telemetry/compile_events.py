@@ -115,6 +115,10 @@ class RegionStats:
     graph_breaks: int = 0
     limit_hits: int = 0
     cudagraph_skips: int = 0  # graphs asked to use CUDA graphs that run without them
+    # Lookups in torch's compile caches (Inductor's FX graphs, AOTAutograd) during its compiles: a loaded bundle
+    # or a warm local cache turns misses into hits.
+    cache_hits: int = 0
+    cache_misses: int = 0
 
 
 @dataclass
@@ -131,11 +135,20 @@ class _Compile:
     breaks_before: int
     graphs_before: int
     cudagraph_skips_before: int
+    cache_before: Tuple[int, int]
     seconds: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
     graphs: int = 0
     breaks: list = field(default_factory=list)
     cudagraph_skips: int = 0
     recompile: bool = False  # a frame compile that counts as a recompile (its lazy backward too)
+
+
+def _cache_lookups() -> Tuple[int, int]:
+    """(hits, misses) of torch's compile caches so far, all layers together."""
+    counts = compat.cache_counters().values()
+    return sum(hits for hits, _ in counts), sum(misses for _, misses in counts)
 
 
 def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List[str]]]:
@@ -246,6 +259,7 @@ class CompileTelemetry:
             breaks_before=len(compat.graph_break_reasons()),
             graphs_before=compat.unique_graphs(),
             cudagraph_skips_before=compat.cudagraph_skips(),
+            cache_before=_cache_lookups(),
         )
         self.compile_count += 1
 
@@ -256,6 +270,8 @@ class CompileTelemetry:
         record.seconds = time.perf_counter() - record.started
         record.graphs = compat.unique_graphs() - record.graphs_before
         record.cudagraph_skips = compat.cudagraph_skips() - record.cudagraph_skips_before
+        hits, misses = _cache_lookups()
+        record.cache_hits, record.cache_misses = hits - record.cache_before[0], misses - record.cache_before[1]
         reasons = compat.graph_break_reasons()
         record.breaks = list(reasons[record.breaks_before :]) if len(reasons) >= record.breaks_before else []
         self.compile_time_s += record.seconds
@@ -338,6 +354,8 @@ class CompileTelemetry:
             self._finished[record.compile_id] = record
         stats = self._stats(self._label(entry))
         stats.compile_time_s += record.seconds
+        stats.cache_hits += record.cache_hits
+        stats.cache_misses += record.cache_misses
         if record.cudagraph_skips:
             self._cudagraph_skip(stats, record, metric)
         if record.trigger != "DYNAMO":
@@ -559,6 +577,7 @@ class CompileTelemetry:
             "breaks",
             "compile s",
             "of it recompiles",
+            "cache hit/miss",
         )
         rows = [
             (
@@ -571,6 +590,7 @@ class CompileTelemetry:
                 str(s.graph_breaks),
                 f"{s.compile_time_s:.2f}",
                 f"{s.recompile_time_s:.2f}",
+                f"{s.cache_hits}/{s.cache_misses}",
             )
             for s in self.regions.values()
         ]

@@ -1,0 +1,230 @@
+"""Compile cache: time to the first step cold, on the same machine, and on a new machine that loads a bundle.
+
+For each model and policy, four phases, each in a fresh process:
+
+- ``cold``: empty Inductor/Triton caches, no bundle; compiles everything and writes the bundle (after step 3);
+- ``same_machine``: the cold phase's Inductor/Triton caches, the compile cache off;
+- ``new_machine_mega``: empty Inductor/Triton caches, the bundle's mega-cache only (``cache.layers: [mega_cache]``);
+- ``new_machine``: empty Inductor/Triton caches, the whole bundle (mega-cache and the cache directories' files).
+
+``first_step_s`` runs from before the bundle is loaded to the end of the first training step (forward, backward,
+optimizer), so load time is counted; the process's imports and model construction are not (``startup_s``).
+Models: the recipe's ``gpt2_small`` (recipes.gpt, batch 8 x 1024) and the HF Llama of ``real_models.py``
+(LlamaForCausalLM, 16 layers, batch 8 x 1024); bf16 autocast, fused AdamW. Policies: ``regional`` and ``full``
+(whole model, ``mode: reduce-overhead`` as in the issue's measurement).
+
+GPU run (one command, about 6 minutes on an H100; or split in two, ``--append`` adding to the first's file):
+
+    python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
+    python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
+    python benchmarks/compile_cache.py --models llama --append --out benchmarks/results/compile_cache.json
+
+CPU smoke run (tiny configs, Inductor on the CPU), as the tests run it:
+
+    python benchmarks/compile_cache.py --smoke --models gpt2_small --policies regional --out /tmp/compile_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+STARTED = time.perf_counter()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import format_table, synchronize, write_result  # noqa: E402
+
+MODELS = ("gpt2_small", "llama")
+POLICIES = ("regional", "full")
+PHASES = ("cold", "same_machine", "new_machine_mega", "new_machine")
+POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
+STEPS = 3  # the bundle is written after the third step: forward, backward and optimizer all compiled
+COLUMNS = [
+    "model",
+    "policy",
+    "phase",
+    "first_step_s",
+    "vs_cold",
+    "load_s",
+    "compile_s",
+    "cache",
+    "fx_graph_hit_miss",
+    "bundle_mb",
+    "save_s",
+    "startup_s",
+    "loss_matches_cold",
+]
+
+
+def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
+    """The model, random weights, dropout off; ``forward(tokens)`` returns the loss."""
+    if name == "llama":
+        from benchmarks.real_models import build_model
+
+        with device:
+            model = build_model("llama", smoke)[0]
+        return HFLoss(model)
+    from recipes.gpt import GPT, GPTConfig
+
+    sizes = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    if smoke:
+        sizes = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    with device:
+        return GPTLoss(GPT(GPTConfig(**sizes, dropout=0.0)))
+
+
+class HFLoss(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+
+class GPTLoss(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens[:, :-1], tokens[:, 1:])[1]
+
+
+def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
+    """One phase, in this (fresh) process."""
+    from compile_trainer import apply_policy, to_policy
+    from compile_trainer.cache.session import CompileCache
+    from compile_trainer.telemetry.compile_events import CompileTelemetry
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    torch.manual_seed(0)
+    holder = nn.ModuleDict({"model": build(args.model, args.smoke, device)})
+    holder.to(device).train()
+    vocab, length, batch = (256, 32, 2) if args.smoke else (32000 if args.model == "llama" else 50304, 1024, 8)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(vocab, (batch, length + 1), generator=generator).to(device) for _ in range(STEPS)]
+    optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-4, fused=device.type == "cuda")
+    layers = ["mega_cache"] if args.phase == "new_machine_mega" else ["mega_cache", "cache_dirs"]
+    mode = {"cold": "read-write", "same_machine": "off"}.get(args.phase, "read-only")
+    cache_settings = {"dir": args.cache_dir, "mode": mode, "layers": layers}
+    policy = to_policy(args.policy, cache=cache_settings, **POLICY_OVERRIDES.get(args.policy, {}))
+    startup = time.perf_counter() - STARTED
+
+    synchronize(device)
+    started = time.perf_counter()
+    cache = CompileCache(policy.cache)
+    cache.load(holder, policy, device)
+    applied = apply_policy(holder, policy)
+    telemetry = CompileTelemetry(applied).install()
+    losses = []
+    for index, tokens in enumerate(batches):
+        applied.begin_step()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = holder["model"](tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        if index == 0:
+            synchronize(device)
+            first_step = time.perf_counter() - started
+    telemetry.collect()
+    compile_s = telemetry.compile_time_s
+    cache.save([item.region.name for item in applied.compiled], compile_s)
+    telemetry.uninstall()
+    summary = cache.summary(compile_s)
+    return {
+        "first_step_s": first_step,
+        "load_s": summary.get("cache_load_s"),
+        "compile_s": compile_s,
+        "cache": summary["cache_status"] + (f" ({summary['cache_reason']})" if summary.get("cache_reason") else ""),
+        "fx_graph_hit_miss": f"{summary.get('cache_fx_graph_hits', 0)}/{summary.get('cache_fx_graph_misses', 0)}",
+        "bundle_mb": (cache.outcome.bundle_bytes or cache.outcome.saved_bytes) / 1e6 or None,
+        "save_s": summary.get("cache_save_s") or None,
+        "startup_s": startup,
+        "losses": losses,
+    }
+
+
+def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machine: Path, cache_dir: str) -> Dict:
+    """``phase`` in a fresh process whose Inductor and Triton caches are ``machine``'s."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"), TRITON_CACHE_DIR=str(machine / "triton"))
+    out = machine / f"{phase}.json"
+    command = [sys.executable, __file__, "--phase", phase, "--model", model, "--policy", policy]
+    command += ["--cache-dir", cache_dir, "--phase-out", str(out)] + (["--smoke"] if args.smoke else [])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0 or not out.exists():
+        return {"cache": f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"}
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile_cache.json")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
+    parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
+    parser.add_argument("--append", action="store_true", help="add the rows to --out's (a run split in two)")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per phase")
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help=argparse.SUPPRESS)
+    parser.add_argument("--phase-out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.phase:
+        args.phase_out.write_text(json.dumps(run_phase(args)))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="compile_cache_bench_"))
+    rows: List[Dict[str, Any]] = []
+    try:
+        for model in args.models:
+            for policy in args.policies:
+                cache_dir = args.cache_dir or str(work / "bundles")
+                cold_machine = work / f"{model}_{policy}_cold"
+                results = {}
+                for phase in ["cold", *(p for p in args.phases if p != "cold")]:
+                    machine = cold_machine if phase in ("cold", "same_machine") else work / f"{model}_{policy}_{phase}"
+                    results[phase] = launch(args, model, policy, phase, machine, cache_dir)
+                    cold = results["cold"]
+                    result = results[phase]
+                    row = {"model": model, "policy": policy, "phase": phase, **result}
+                    if "first_step_s" in result and "first_step_s" in cold:
+                        row["vs_cold"] = result["first_step_s"] / cold["first_step_s"]
+                        row["loss_matches_cold"] = result["losses"] == cold["losses"]
+                    rows.append(row)
+                    print(format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    notes = [
+        "Each phase a fresh process; first_step_s counts the bundle's load, the compile and the first step "
+        "(forward, backward, optimizer); startup_s (imports, model construction) is not counted.",
+        "new_machine*: empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, the bundle the cold phase wrote; "
+        "new_machine_mega loads only its mega-cache (torch.compiler.load_cache_artifacts).",
+        "full runs with mode reduce-overhead (CUDA graphs), like regional.",
+    ]
+    if args.append and args.out.exists():
+        rows = json.loads(args.out.read_text())["rows"] + rows
+    write_result(args.out, "compile_cache", "Compile cache: cold vs same machine vs new machine", COLUMNS, rows, notes)
+    print(format_table(COLUMNS, rows))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

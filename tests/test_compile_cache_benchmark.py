@@ -1,0 +1,21 @@
+"""The compile-cache GPU benchmark's CPU smoke mode, as on the GPU image (no hydra, no wandb): a cold phase that
+writes the bundle and a new machine that loads it, each a fresh process, rows in the result file."""
+
+import json
+
+from tests.benchmark_smoke import run_without_config_packages
+
+
+def test_compile_cache_smoke_writes_cold_and_new_machine_rows(tmp_path):
+    out = tmp_path / "compile_cache.json"
+    script = ["benchmarks/compile_cache.py", "--smoke", "--models", "gpt2_small", "--policies", "regional"]
+    run_without_config_packages([*script, "--phases", "cold", "new_machine", "--out", str(out)], timeout=400)
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "compile_cache" and data["notes"] and "torch" in data["meta"]
+    rows = {row["phase"]: row for row in data["rows"]}
+    assert list(rows) == ["cold", "new_machine"]
+    cold, warm = rows["cold"], rows["new_machine"]
+    assert cold["cache"].startswith("miss") and cold["bundle_mb"] > 0
+    assert warm["cache"] == "hit" and warm["fx_graph_hit_miss"].endswith("/0")
+    assert warm["first_step_s"] < cold["first_step_s"] and warm["vs_cold"] < 1
+    assert warm["loss_matches_cold"] is True
