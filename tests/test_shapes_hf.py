@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, ShapeError, to_policy
 from compile_trainer.shapes.batch import BatchShaper
+from compile_trainer.shapes.region_inputs import RecompileError
 from tests.conftest import quiet_cpu_trainer
 from tests.user_models import VOCAB, UserModule
 
@@ -183,3 +184,60 @@ def test_dynamic_turns_cudnn_attention_off_on_the_gpu_while_applied():
     assert not torch.backends.cuda.cudnn_sdp_enabled() and CUDNN_ATTENTION_OFF in on_gpu.notes
     on_gpu.remove()
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+class ValidatedModule(UserModule):
+    """Records its validation losses too."""
+
+    def __init__(self, family, **config):
+        super().__init__(family, **config)
+        self.val_losses = []
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.step(batch)
+        self.val_losses.append(loss.detach().clone())
+        return loss
+
+
+def fit_with_validation(family, train, val, callback=None):
+    module = ValidatedModule(family, **({} if family == "bert" else {"use_cache": False}))
+    callbacks = [callback] if callback else []
+    trainer = quiet_cpu_trainer(
+        max_steps=len(train), limit_val_batches=len(val), num_sanity_val_steps=0, callbacks=callbacks
+    )
+    trainer.fit(module, DataLoader(train, batch_size=None), DataLoader(val, batch_size=None))
+    return module
+
+
+@pytest.mark.parametrize("policy", ["buckets", "dynamic"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_hf_models_train_and_validate_like_unpadded_eager_with_a_smaller_last_batch(family, policy):
+    train = hf_stream([6, 11, 19, 27, 40], batch=4) + hf_stream([17], batch=3, seed=9)  # a smaller last batch
+    val = hf_stream([9, 23], batch=2, seed=5)  # another batch size
+    eager = fit_with_validation(family, train, val)
+    fits_the_model = {"shapes": {"pad": {"buckets": [16, 32, 48, 64]}}} if policy == "buckets" else {}  # 64 positions
+    callback = CompileCallback(policy, backend="aot_eager", telemetry={"measure_flops": False}, **fits_the_model)
+    compiled = fit_with_validation(family, train, val, callback)
+    start = len(callback.policy.shapes.pad.buckets) if policy == "buckets" else 0  # warm-up's training steps
+    torch.testing.assert_close(torch.stack(compiled.losses[start:]), torch.stack(eager.losses), rtol=1e-4, atol=1e-5)
+    validated = torch.stack(compiled.val_losses[-2:])  # after warm-up's validation steps
+    torch.testing.assert_close(validated, torch.stack(eager.val_losses), rtol=1e-4, atol=1e-5)
+    for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)  # the gradients were the same
+    events = [e for e in callback.telemetry.compile.events if e.kind == "recompile"]
+    if policy == "dynamic":
+        assert events == [], "batch size and length dynamic from the first compile"
+    else:  # static graphs per bucket: only the smaller batch's size is new
+        assert all("index 0" in e.reason for e in events), [e.reason for e in events]
+
+
+def test_strict_recompiles_raise_on_a_real_new_shape_of_an_hf_batch_only():
+    train = hf_stream([6, 11, 19, 27, 40, 33], batch=4) + hf_stream([17], batch=3, seed=9)
+    shapes = {"strict_recompiles": True, "pad": {"buckets": [16, 32, 48, 64]}}
+    callback = CompileCallback("buckets", backend="eager", telemetry={"measure_flops": False}, shapes=shapes)
+    module = UserModule("gpt2", use_cache=False)
+    trainer = quiet_cpu_trainer(max_steps=len(train), limit_val_batches=0, callbacks=[callback])
+    with pytest.raises(RecompileError, match=r"would recompile in training after warm-up.*\(3, 32"):
+        trainer.fit(module, train_dataloaders=DataLoader(train, batch_size=None))
+    buckets = callback.policy.shapes.pad.buckets
+    assert len(module.losses) == len(buckets) + 6, "every batch of 4 rows trained, whatever its length"
