@@ -80,7 +80,7 @@ VARIANTS = (
 GPU_ONLY = ("compile_trainer reduce-overhead + clip",)
 # The recipe trained end to end (benchmarks/train_step.py variants), on the GPU only.
 END_TO_END = {
-    "GPT-2 small training, fused + gradient_clip_val=1.0": "lightning_regional_clip_fused",
+    "GPT-2 small training, foreach + gradient_clip_val=1.0": "lightning_regional_clip_foreach",
     "GPT-2 small training, compiled step + gradient_clip_val=1.0": "lightning_regional_clip_compiled_optimizer",
 }
 COLUMNS = [
