@@ -1,0 +1,160 @@
+"""Compile policies under Lightning's DDP: 2 CPU processes over gloo (tests/ddp_run.py), against one process of
+the same global batch; per-rank telemetry; the strategies refused and why."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+from compile_trainer import apply_policy, to_policy
+from compile_trainer.compiling.runtime_checks import check_distributed_runtime
+from compile_trainer.lightning.strategies import strategy_kind
+from compile_trainer.schema import PolicyError
+from compile_trainer.telemetry.ranks import describe_rank_report, divergent_ranks, rank_report
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "tests" / "ddp_run.py"
+DDP_TIMEOUT = 240
+
+
+def start(out: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(RUN), str(out), *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, out: Path) -> dict:
+    output, _ = process.communicate(timeout=DDP_TIMEOUT)
+    assert process.returncode == 0, output[-4000:]
+    return json.loads(out.read_text()) | {"output": output}
+
+
+def single_and_ddp(tmp_path: Path, *args: str) -> tuple:
+    """The same training, on 1 process of batch 4 and on 2 DDP processes of batch 2 each (run side by side)."""
+    single = start(tmp_path / "single.json", "--devices", "1", "--batch", "4", *args)
+    ddp = start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", *args)
+    return finish(single, tmp_path / "single.json"), finish(ddp, tmp_path / "ddp.json")
+
+
+def assert_same_training(single: dict, ddp: dict) -> None:
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    assert len(ddp["losses"]) == len(single["losses"]) == 4
+    assert ddp["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    for name, weight in single["weights"].items():
+        # AdamW divides by the gradients' root mean square: float sums in another order move a weight by up to
+        # 2.5e-5 after 4 steps of lr 1e-2 (a wrong gradient moves it by about lr)
+        assert torch.allclose(torch.tensor(ddp["weights"][name]), torch.tensor(weight), atol=1e-4), name
+
+
+POLICIES = [
+    ("regional", ["--backend", "eager"]),
+    ("full", ["--backend", "aot_eager"]),
+    ("dynamic", ["--backend", "eager"]),
+    ("buckets", ["--backend", "eager"]),
+    ("regional", ["--backend", "aot_eager", "--optimizer", "true"]),
+]
+
+
+@pytest.mark.parametrize("policy,args", POLICIES, ids=["regional", "full", "dynamic", "buckets", "optimizer"])
+def test_ddp_trains_like_one_process(tmp_path, policy, args):
+    single, ddp = single_and_ddp(tmp_path, "--policy", policy, *args)
+    assert_same_training(single, ddp)
+    # Compiled in place inside the DDP wrapper: the graphs and recompiles of one process (no DDPOptimizer splits)
+    assert "regions compiled in place inside DistributedDataParallel" in ddp["output"]
+    assert ddp["summary"]["unique_graphs"] == single["summary"]["unique_graphs"] > 0
+    assert ddp["summary"]["recompiles"] == single["summary"]["recompiles"]
+    ranks = ddp["summary"]["ranks"]
+    assert ranks["ranks"] == 2 and ranks["divergent_recompile_ranks"] == []
+    assert ranks["recompiles_by_rank"] == [single["summary"]["recompiles"]] * 2
+    assert 0 < ranks["compile_time_s_min"] <= ranks["compile_time_s_max"]
+    assert ddp["output"].count("recompiles by rank") == 1  # printed once, by rank 0
+    # No _orig_mod anywhere in the distributed run's checkpoint, model or optimizer state
+    assert not [k for k in ddp["state_dict_keys"] if "_orig_mod" in k]
+    assert ddp["optimizer_keys"] and not [k for k in ddp["optimizer_keys"] if "_orig_mod" in k]
+    if "--optimizer" in args:
+        # the compiled step chosen and installed, its gradients those DDP's reducer averaged (same weights above)
+        assert "optimizer AdamW: compiled" in ddp["output"]
+    if policy == "buckets":
+        assert "padding" in ddp["output"] or ddp["summary"].get("padding") is not None
+
+
+def test_ddp_checkpoint_loads_into_eager_model_and_back(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ddp_run import RecordingLM
+
+    ddp = finish(
+        start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", "--policy", "regional"), tmp_path / "ddp.json"
+    )
+    checkpoint = torch.load(tmp_path / "ddp.ckpt", weights_only=False)
+    eager = RecordingLM(4, 4, 4)
+    eager.load_state_dict(checkpoint["state_dict"])  # strict: every key matches an eager model's
+    for name, param in eager.named_parameters():
+        assert torch.allclose(param, torch.tensor(ddp["weights"][name])), name
+    compiled = RecordingLM(4, 4, 4)
+    applied = apply_policy(compiled, to_policy("regional", backend="eager"))
+    compiled.load_state_dict(eager.state_dict())  # and back, into a compiled model
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    applied.remove()
+
+
+def test_ddp_names_the_rank_whose_recompiles_diverge(tmp_path):
+    out = tmp_path / "skew.json"
+    ddp = finish(start(out, "--devices", "2", "--batch", "2", "--policy", "regional", "--skew"), out)
+    ranks = ddp["summary"]["ranks"]
+    assert ranks["recompiles_by_rank"][0] == 0 < ranks["recompiles_by_rank"][1]
+    assert ranks["divergent_recompile_ranks"] == [1]
+    assert "divergent recompiles: rank 1" in ddp["output"]
+
+
+def test_compiler_collectives_refused_on_the_cpu_with_the_reason(tmp_path):
+    out = tmp_path / "collectives.json"
+    process = start(out, "--devices", "2", "--batch", "2", "--consistent-dynamic-shapes")
+    output, _ = process.communicate(timeout=DDP_TIMEOUT)
+    assert process.returncode != 0 and not out.exists()
+    assert "consistent_dynamic_shapes (Dynamo's compiler collectives) needs an accelerator" in output
+
+
+def test_compiler_collectives_option_sets_and_restores_dynamo_config():
+    from torch import nn
+
+    from compile_trainer import compat
+
+    before = compat.compiler_collectives()
+    model = nn.Sequential(nn.Linear(2, 2))
+    applied = apply_policy(model, to_policy("full", backend="eager", distributed={"consistent_dynamic_shapes": True}))
+    assert compat.compiler_collectives() is True
+    assert any("compiler collectives on" in note for note in applied.notes)
+    applied.remove()
+    assert compat.compiler_collectives() is before
+
+
+def test_rank_report_names_divergent_ranks():
+    summaries = [
+        {"compile_time_s": 1.0, "recompiles": 2, "first_step_time_s": 0.5, "unique_graphs": 4},
+        {"compile_time_s": 3.0, "recompiles": 2, "first_step_time_s": 0.7, "unique_graphs": 4},
+        {"compile_time_s": 2.0, "recompiles": 5, "first_step_time_s": 0.6, "unique_graphs": 7},
+    ]
+    report = rank_report(summaries)
+    assert (report["compile_time_s_min"], report["compile_time_s_max"]) == (1.0, 3.0)
+    assert report["recompiles_by_rank"] == [2, 2, 5] and report["divergent_recompile_ranks"] == [2]
+    assert "rank 2 (5)" in describe_rank_report(report)
+    assert divergent_ranks([1, 1]) == [] and divergent_ranks([0, 3]) == [1]
+
+
+def test_strategies_supported_and_refused():
+    assert strategy_kind(DDPStrategy()) == "ddp"
+    assert strategy_kind(ModelParallelStrategy()) == "fsdp2"
+    assert strategy_kind(SingleDeviceStrategy(torch.device("cpu"))) == "single"
+    with pytest.raises(PolicyError, match=r"does not support FSDPStrategy .*FlatParameter.*supported: .*'ddp'"):
+        strategy_kind(FSDPStrategy())
+
+
+def test_distributed_check_passes_without_the_option():
+    check_distributed_runtime(to_policy("regional"))  # nothing to refuse: no exception
+    with pytest.raises(PolicyError, match="needs an accelerator"):
+        check_distributed_runtime(to_policy("regional", distributed={"consistent_dynamic_shapes": True}))
