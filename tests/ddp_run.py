@@ -19,7 +19,8 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
-from compile_trainer import CompileCallback  # noqa: E402
+from compile_trainer import CompileCallback, apply_policy  # noqa: E402
+from compile_trainer.compiling.regions import APPLIED_ATTR  # noqa: E402
 from recipes.data import TokenBatch  # noqa: E402
 from recipes.gpt import GPTConfig, LanguageModel  # noqa: E402
 
@@ -65,6 +66,23 @@ class RecordingLM(LanguageModel):
         return DataLoader(data, batch_size=self.batch, sampler=sampler)
 
 
+class ShardedLM(RecordingLM):
+    """FSDP2 in torchtitan's order: the policy applied first (each block compiled in place), then ``fully_shard``
+    on each block and on the model."""
+
+    policy = None  # the callback's policy, set by main()
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        if self.policy is not None and getattr(self, APPLIED_ATTR, None) is None:
+            apply_policy(self, self.policy)
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -77,6 +95,7 @@ def main() -> None:
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--optimizer", default="false", help="the policy's optimizer.compile")
     parser.add_argument("--consistent-dynamic-shapes", action="store_true")
+    parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
     parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -88,6 +107,12 @@ def main() -> None:
     callback = CompileCallback(args.policy, telemetry={"measure_flops": False}, **overrides)
     module = RecordingLM(args.global_batch, args.batch, args.steps, args.skew)
     strategy = args.strategy if args.devices > 1 else "auto"
+    if args.strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        module = ShardedLM(args.global_batch, args.batch, args.steps, args.skew)
+        module.policy = None if args.no_apply else callback.policy
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     trainer = pl.Trainer(
         max_steps=args.steps, logger=False, callbacks=[callback], accelerator="cpu", devices=args.devices,
         strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -96,13 +121,22 @@ def main() -> None:
     trainer.fit(module)
     checkpoint = Path(args.out).with_suffix(".ckpt")
     trainer.save_checkpoint(checkpoint)
+    # FSDP2's parameters are DTensor shards: each gathered whole (a collective, so on every rank)
+    weights = {name: getattr(p, "full_tensor", p.detach)().detach().tolist() for name, p in module.named_parameters()}
     if trainer.global_rank != 0:
         return
-    saved = torch.load(checkpoint, weights_only=False)
+    if checkpoint.is_dir():  # FSDP2: a distributed checkpoint (a shard per rank), gathered into one file here
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(checkpoint, checkpoint.with_suffix(".pt"))
+        saved = torch.load(checkpoint.with_suffix(".pt"), weights_only=False)
+        saved = {"state_dict": saved["state_dict"], "optimizer_states": [saved["optimizer_0"]]}
+    else:
+        saved = torch.load(checkpoint, weights_only=False)
     optimizer_keys = [str(k) for state in saved["optimizer_states"] for k in state.get("state", {})]
     result = {
         "losses": list(module.losses_by_step.values()),
-        "weights": {name: p.detach().tolist() for name, p in module.named_parameters()},
+        "weights": weights,
         "state_dict_keys": list(saved["state_dict"]),
         "optimizer_keys": optimizer_keys,
         "summary": callback.summary(),

@@ -57,5 +57,6 @@ def where_compiled(kind: str) -> str:
         "ddp": "strategy ddp: regions compiled in place inside DistributedDataParallel (the wrapper itself is not "
         "compiled: no DDPOptimizer graph splits, the graphs of one process)",
         "fsdp2": "strategy fsdp2: regions compiled in configure_model before fully_shard (each compiled block "
-        "sharded as its own FSDP unit)",
+        "sharded as its own FSDP unit); FSDP2's all-gather/reshard hooks run eagerly (Dynamo's skip_fsdp_hooks): "
+        "a graph break where a block's frame calls them, expected",
     }[kind]
