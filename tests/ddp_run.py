@@ -19,10 +19,9 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
-from compile_trainer import CompileCallback, apply_policy  # noqa: E402
-from compile_trainer.compiling.regions import APPLIED_ATTR  # noqa: E402
+from compile_trainer import CompileCallback  # noqa: E402
 from recipes.data import TokenBatch  # noqa: E402
-from recipes.gpt import GPTConfig, LanguageModel  # noqa: E402
+from recipes.gpt import GPTConfig, LanguageModel, compile_and_shard  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 LENGTHS = [16, 12, 16, 8]  # one per global batch, cycling
@@ -67,20 +66,12 @@ class RecordingLM(LanguageModel):
 
 
 class ShardedLM(RecordingLM):
-    """FSDP2 in torchtitan's order: the policy applied first (each block compiled in place), then ``fully_shard``
-    on each block and on the model."""
+    """FSDP2: the policy applied in configure_model, then each block and the model sharded (recipes.gpt)."""
 
     policy = None  # the callback's policy, set by main()
 
     def configure_model(self):
-        from torch.distributed.fsdp import fully_shard
-
-        if self.policy is not None and getattr(self, APPLIED_ATTR, None) is None:
-            apply_policy(self, self.policy)
-        mesh = self.device_mesh["data_parallel"]
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        compile_and_shard(self, self.model, self.policy, self.device_mesh["data_parallel"])
 
 
 def main() -> None:
