@@ -87,12 +87,15 @@ def main() -> None:
     parser.add_argument("--optimizer", default="false", help="the policy's optimizer.compile")
     parser.add_argument("--consistent-dynamic-shapes", action="store_true")
     parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
+    parser.add_argument("--cache", help="a compile cache directory (read-write)")
     parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer}}
     if args.policy in ("buckets",):
         overrides["shapes"] = {"pad": {"buckets": [8, 16]}}
+    if args.cache:
+        overrides["cache"] = {"dir": args.cache, "mode": "read-write"}
     if args.consistent_dynamic_shapes:
         overrides["distributed"] = {"consistent_dynamic_shapes": True}
     callback = CompileCallback(args.policy, telemetry={"measure_flops": False}, **overrides)
@@ -114,6 +117,8 @@ def main() -> None:
     trainer.save_checkpoint(checkpoint)
     # FSDP2's parameters are DTensor shards: each gathered whole (a collective, so on every rank)
     weights = {name: getattr(p, "full_tensor", p.detach)().detach().tolist() for name, p in module.named_parameters()}
+    summary = callback.summary()  # every rank's own, for the cache: each reads, rank 0 alone writes
+    Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(summary, default=str))
     if trainer.global_rank != 0:
         return
     if checkpoint.is_dir():  # FSDP2: a distributed checkpoint (a shard per rank), gathered into one file here
@@ -130,7 +135,7 @@ def main() -> None:
         "weights": weights,
         "state_dict_keys": list(saved["state_dict"]),
         "optimizer_keys": optimizer_keys,
-        "summary": callback.summary(),
+        "summary": summary,
         "plan": callback.applied.rows() if callback.applied is not None else [],
         "world_size": trainer.world_size,
     }

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -22,8 +23,9 @@ RUN = ROOT / "tests" / "ddp_run.py"
 DDP_TIMEOUT = 240
 
 
-def start(out: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def start(out: Path, *args: str, env: Optional[dict] = None) -> subprocess.Popen:
+    """``python tests/ddp_run.py out args...``, started (every rank's output in one stream); ``env``: more variables."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     command = [sys.executable, str(RUN), str(out), *args]
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
