@@ -1,5 +1,6 @@
 """Compile policies under Lightning's DDP: 2 CPU processes over gloo (tests/ddp_run.py), against one process of
-the same global batch; per-rank telemetry; the strategies refused and why."""
+the same global batch; checkpoints both ways; the strategies refused and why. Shared by the other distributed
+tests (test_fsdp2, test_distributed_telemetry, test_distributed_cache)."""
 
 import json
 import os
@@ -13,10 +14,8 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from compile_trainer import apply_policy, to_policy
-from compile_trainer.compiling.runtime_checks import check_distributed_runtime
 from compile_trainer.lightning.strategies import strategy_kind
 from compile_trainer.schema import PolicyError
-from compile_trainer.telemetry.ranks import describe_rank_report, divergent_ranks, rank_report
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "tests" / "ddp_run.py"
@@ -82,38 +81,7 @@ def test_ddp_trains_like_one_process(tmp_path, policy, args):
         # the compiled step chosen and installed, its gradients those DDP's reducer averaged (same weights above)
         assert "optimizer AdamW: compiled" in ddp["output"]
     if policy == "buckets":
-        assert "padding" in ddp["output"] or ddp["summary"].get("padding") is not None
-
-
-def test_fsdp2_model_parallel_strategy_trains_like_one_process(tmp_path):
-    """FSDP2 through Lightning's ModelParallelStrategy on 2 CPU processes (gloo): the policy applied in
-    configure_model before fully_shard, the callback adopting it; a sharded (distributed) checkpoint."""
-    single = start(tmp_path / "single.json", "--devices", "1", "--batch", "4")
-    fsdp = start(tmp_path / "fsdp.json", "--devices", "2", "--batch", "2", "--strategy", "fsdp2")
-    single, fsdp = finish(single, tmp_path / "single.json"), finish(fsdp, tmp_path / "fsdp.json")
-    assert_same_training(single, fsdp)
-    assert "regions compiled in configure_model before fully_shard" in fsdp["output"]
-    assert fsdp["summary"]["ranks"]["divergent_recompile_ranks"] == []
-    # FSDP2's hooks are skipped by Dynamo: they run eagerly, one break in the blocks' frame, none elsewhere
-    assert fsdp["summary"]["graph_breaks"] == single["summary"]["graph_breaks"] + 1
-    assert (tmp_path / "fsdp.ckpt").is_dir()  # a shard per rank
-    assert not [k for k in fsdp["state_dict_keys"] + fsdp["optimizer_keys"] if "_orig_mod" in k]
-    sys.path.insert(0, str(ROOT / "tests"))
-    from ddp_run import RecordingLM
-
-    eager = RecordingLM(4, 4, 4)  # the sharded checkpoint, gathered into one file, loads into an eager model
-    eager.load_state_dict(torch.load(tmp_path / "fsdp.pt", weights_only=False)["state_dict"])
-    for name, param in eager.named_parameters():
-        assert torch.allclose(param, torch.tensor(fsdp["weights"][name])), name
-
-
-def test_fsdp2_without_the_policy_applied_in_configure_model_is_refused(tmp_path):
-    out = tmp_path / "fsdp.json"
-    process = start(out, "--devices", "2", "--batch", "2", "--strategy", "fsdp2", "--no-apply")
-    output, _ = process.communicate(timeout=DDP_TIMEOUT)
-    assert process.returncode != 0 and not out.exists()
-    assert "policy 'regional' was not applied before sharding" in output
-    assert "call compile_trainer.apply_policy(self, policy) first, then fully_shard" in output
+        assert ddp["summary"]["buckets"] == [8, 16] and ddp["summary"]["padding_overhead"] > 0  # 12 padded to 16
 
 
 def test_ddp_checkpoint_loads_into_eager_model_and_back(tmp_path):
@@ -135,59 +103,9 @@ def test_ddp_checkpoint_loads_into_eager_model_and_back(tmp_path):
     applied.remove()
 
 
-def test_ddp_names_the_rank_whose_recompiles_diverge(tmp_path):
-    out = tmp_path / "skew.json"
-    ddp = finish(start(out, "--devices", "2", "--batch", "2", "--policy", "regional", "--skew"), out)
-    ranks = ddp["summary"]["ranks"]
-    assert ranks["recompiles_by_rank"][0] == 0 < ranks["recompiles_by_rank"][1]
-    assert ranks["divergent_recompile_ranks"] == [1]
-    assert "divergent recompiles: rank 1" in ddp["output"]
-
-
-def test_compiler_collectives_refused_on_the_cpu_with_the_reason(tmp_path):
-    out = tmp_path / "collectives.json"
-    process = start(out, "--devices", "2", "--batch", "2", "--consistent-dynamic-shapes")
-    output, _ = process.communicate(timeout=DDP_TIMEOUT)
-    assert process.returncode != 0 and not out.exists()
-    assert "consistent_dynamic_shapes (Dynamo's compiler collectives) needs an accelerator" in output
-
-
-def test_compiler_collectives_option_sets_and_restores_dynamo_config():
-    from torch import nn
-
-    from compile_trainer import compat
-
-    before = compat.compiler_collectives()
-    model = nn.Sequential(nn.Linear(2, 2))
-    applied = apply_policy(model, to_policy("full", backend="eager", distributed={"consistent_dynamic_shapes": True}))
-    assert compat.compiler_collectives() is True
-    assert any("compiler collectives on" in note for note in applied.notes)
-    applied.remove()
-    assert compat.compiler_collectives() is before
-
-
-def test_rank_report_names_divergent_ranks():
-    summaries = [
-        {"compile_time_s": 1.0, "recompiles": 2, "first_step_time_s": 0.5, "unique_graphs": 4},
-        {"compile_time_s": 3.0, "recompiles": 2, "first_step_time_s": 0.7, "unique_graphs": 4},
-        {"compile_time_s": 2.0, "recompiles": 5, "first_step_time_s": 0.6, "unique_graphs": 7},
-    ]
-    report = rank_report(summaries)
-    assert (report["compile_time_s_min"], report["compile_time_s_max"]) == (1.0, 3.0)
-    assert report["recompiles_by_rank"] == [2, 2, 5] and report["divergent_recompile_ranks"] == [2]
-    assert "rank 2 (5)" in describe_rank_report(report)
-    assert divergent_ranks([1, 1]) == [] and divergent_ranks([0, 3]) == [1]
-
-
 def test_strategies_supported_and_refused():
     assert strategy_kind(DDPStrategy()) == "ddp"
     assert strategy_kind(ModelParallelStrategy()) == "fsdp2"
     assert strategy_kind(SingleDeviceStrategy(torch.device("cpu"))) == "single"
     with pytest.raises(PolicyError, match=r"does not support FSDPStrategy .*FlatParameter.*supported: .*'ddp'"):
         strategy_kind(FSDPStrategy())
-
-
-def test_distributed_check_passes_without_the_option():
-    check_distributed_runtime(to_policy("regional"))  # nothing to refuse: no exception
-    with pytest.raises(PolicyError, match="needs an accelerator"):
-        check_distributed_runtime(to_policy("regional", distributed={"consistent_dynamic_shapes": True}))
