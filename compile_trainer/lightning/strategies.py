@@ -44,8 +44,9 @@ def strategy_kind(strategy: Any) -> str:
     why = ""
     if name == "FSDPStrategy":
         why = (
-            " (FSDP1 flattens each wrapped unit's parameters into one FlatParameter after the LightningModule is "
-            "built, so in-place regional compiles would see views of flat buffers; use FSDP2 instead)"
+            " (FSDP1: it wraps the blocks in strategy.setup, before on_fit_start, so the regions would be compiled "
+            "inside FSDP1 units over FlatParameters, which this library neither supports nor tests; FSDP2 takes "
+            "the compiled blocks instead)"
         )
     raise PolicyError(f"CompileCallback does not support {name}{why}; supported: {SUPPORTED}")
 
