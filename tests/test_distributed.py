@@ -110,3 +110,28 @@ def test_strategies_supported_and_refused():
     refused = r"does not support FSDPStrategy \(FSDP1: .*FSDP2 takes the compiled blocks.*supported: .*'ddp'"
     with pytest.raises(PolicyError, match=refused):
         strategy_kind(FSDPStrategy())
+
+
+def test_callback_adopts_a_policy_applied_in_configure_model_and_refuses_another():
+    from compile_trainer import CompileCallback
+    from tests.conftest import quiet_cpu_trainer
+    from tests.telemetry_models import TinyRegression
+
+    class AppliesItself(TinyRegression):
+        policy = None
+
+        def configure_model(self):
+            if getattr(self, "_compile_trainer_applied", None) is None:
+                apply_policy(self, self.policy)
+
+    callback = CompileCallback("regional", backend="eager", print_plan=False, telemetry=False)
+    module = AppliesItself(n_batches=2)
+    module.policy = callback.policy
+    quiet_cpu_trainer(max_steps=2, callbacks=[callback]).fit(module)
+    assert callback.applied is module._compile_trainer_applied  # adopted, not applied twice
+
+    other = AppliesItself(n_batches=2)
+    other.policy = to_policy("full", backend="eager")
+    callback = CompileCallback("regional", backend="eager", print_plan=False, telemetry=False)
+    with pytest.raises(PolicyError, match="configure_model applied policy 'full', but the CompileCallback holds"):
+        quiet_cpu_trainer(max_steps=2, callbacks=[callback]).fit(other)
