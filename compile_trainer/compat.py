@@ -99,6 +99,21 @@ def set_recompile_limit(limit: int) -> int:
     return previous
 
 
+# torch._dynamo.config.enable_compiler_collectives: ranks exchange Dynamo's size observations at each compile so
+# that every rank makes the same dynamic/static decision (checked 2.13 on the CPU, 2 gloo processes).
+
+
+def compiler_collectives() -> bool:
+    return bool(torch._dynamo.config.enable_compiler_collectives)
+
+
+def set_compiler_collectives(enabled: bool) -> bool:
+    """Turn Dynamo's compiler collectives on or off; returns the previous value."""
+    previous = compiler_collectives()
+    torch._dynamo.config.enable_compiler_collectives = enabled
+    return previous
+
+
 def ignored_logger_methods() -> set:
     return set(torch._dynamo.config.ignore_logger_methods)
 
@@ -348,6 +363,7 @@ ENTRIES = [
     Entry("cudagraph_skips", cudagraph_skips),
     Entry("recompile_limit", lambda: recompile_limit() >= 1),
     Entry("set_recompile_limit", lambda: set_recompile_limit(set_recompile_limit(3)) == 3),
+    Entry("set_compiler_collectives", lambda: set_compiler_collectives(set_compiler_collectives(True)) is not None),
     Entry("set_ignored_logger_methods", lambda: set_ignored_logger_methods(set_ignored_logger_methods(set()))),
     Entry("list_backends", lambda: {"inductor", "eager", "aot_eager"} <= set(list_backends())),
     Entry("lookup_backend", lambda: lookup_backend("eager")),

@@ -218,3 +218,19 @@ class LanguageModel(pl.LightningModule):
         progress = min(1.0, (step - warmup) / max(1, decay - warmup))
         ratio = self.hparams.min_lr_ratio
         return ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def compile_and_shard(module: pl.LightningModule, model: GPT, policy, mesh) -> None:
+    """FSDP2 in torchtitan's order, for a LightningModule's ``configure_model`` under ``ModelParallelStrategy``:
+    the compile policy applied first (each block compiled in place; ``policy`` None: eager), then ``fully_shard``
+    on each block and on the model. ``CompileCallback(policy)`` adopts the policy applied here."""
+    from torch.distributed.fsdp import fully_shard
+
+    from compile_trainer import apply_policy
+    from compile_trainer.compiling.regions import APPLIED_ATTR
+
+    if policy is not None and getattr(module, APPLIED_ATTR, None) is None:  # configure_model may run twice
+        apply_policy(module, policy)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)

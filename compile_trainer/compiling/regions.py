@@ -337,6 +337,9 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     # Restored by remove(), not by garbage collection: a generator-based context manager would restore them
     # whenever a forgotten AppliedPolicy is collected, under the feet of the policy applied since.
     applied.process_settings.callback(compat.set_recompile_limit, compat.set_recompile_limit(policy.recompile_limit))
+    if policy.distributed.consistent_dynamic_shapes:
+        applied.process_settings.callback(compat.set_compiler_collectives, compat.set_compiler_collectives(True))
+        applied.notes.append("compiler collectives on: every rank makes the same dynamic-shape decisions")
     ignored = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
     applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
     if policy.shapes.dynamic and device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():

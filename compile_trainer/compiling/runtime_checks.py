@@ -63,3 +63,20 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
         if problem:
             raise PolicyError(f"{where}: {problem}.")
     return policy
+
+
+COMPILER_COLLECTIVES_NEED_ACCELERATOR = (
+    "distributed.consistent_dynamic_shapes (Dynamo's compiler collectives) needs an accelerator: torch's "
+    "run_compiler_collective expects one device type in the process group (a gloo group lists cpu and cuda) and "
+    "picks the device rank % torch.accelerator.device_count() (0 devices here); turn it off on the CPU "
+    "(checked torch 2.13)"
+)
+
+
+def check_distributed_runtime(policy: CompilePolicy) -> None:
+    """Checks of the ``distributed`` section that need the installed torch, run when training is distributed."""
+    if policy.enabled and policy.distributed.consistent_dynamic_shapes:
+        import torch
+
+        if torch.accelerator.device_count() == 0:
+            raise PolicyError(COMPILER_COLLECTIVES_NEED_ACCELERATOR)

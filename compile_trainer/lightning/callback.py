@@ -18,9 +18,10 @@ from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
-from compile_trainer.compiling.runtime_checks import check_policy_runtime
+from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.lightning.batch_hooks import ShapeHooks
 from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
+from compile_trainer.lightning.strategies import FSDP2_RECIPE, strategy_kind, where_compiled
 from compile_trainer.optimizer import (
     CompiledOptimizerStep,
     OptimizerChoice,
@@ -28,8 +29,9 @@ from compile_trainer.optimizer import (
     describe_steps,
     take_over_clipping,
 )
-from compile_trainer.schema import CompilePolicy, policy_to_dict, to_policy, to_telemetry_config
+from compile_trainer.schema import CompilePolicy, PolicyError, policy_to_dict, to_policy, to_telemetry_config
 from compile_trainer.schema.shapes import describe_shapes
+from compile_trainer.telemetry.ranks import describe_rank_report, gather_rank_summaries, rank_metrics, rank_report
 
 log = logging.getLogger(__name__)
 WARM_AFTER_STEPS = 2  # optimizer steps after which the compile cache writes its bundle (all of a step compiled)
@@ -58,6 +60,8 @@ class CompileCallback(pl.Callback):
         self.gradient_copies: Optional[GradientCopies] = None
         self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
         self.cache: Optional[CompileCache] = None
+        self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
+        self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
 
@@ -65,6 +69,7 @@ class CompileCallback(pl.Callback):
         """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
         summary = self.telemetry.summary() if self.telemetry is not None else {}
         summary |= self.background.summary() if self.background is not None else {}
+        summary |= {"ranks": self.ranks} if self.ranks is not None else {}
         return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -84,20 +89,36 @@ class CompileCallback(pl.Callback):
         if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
             self.cache = CompileCache(self.policy.cache)
             self.cache.load(pl_module, self.policy, pl_module.device)
-        self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
+        self.applied = self._adopt_applied(pl_module) or apply_policy(pl_module, self.policy, device=pl_module.device)
         if self.policy.background and self.policy.enabled:
             self.background = BackgroundCompile(self.applied)
         if self.telemetry is not None:
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             cache_line = [self.cache.describe()] if self.cache is not None else []
-            rank_zero_info("\n".join([format_plan_table(self.applied), *cache_line]))
+            where = [where_compiled(self.strategy)] if self.strategy != "single" else []
+            rank_zero_info("\n".join([format_plan_table(self.applied), *where, *cache_line]))
         chosen = self.shape_hooks.choose_auto_buckets() if self.shape_hooks is not None else None
         if chosen and self.print_plan:
             rank_zero_info(chosen)
         self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+
+    def _adopt_applied(self, pl_module: pl.LightningModule) -> Optional[AppliedPolicy]:
+        """The policy applied in ``configure_model`` (FSDP2: blocks compiled before ``fully_shard``), if any; under
+        FSDP2 a policy that compiles modules must have been applied there."""
+        applied = getattr(pl_module, APPLIED_ATTR, None)
+        if applied is None:
+            if self.strategy == "fsdp2" and self.policy.compiles_modules:
+                raise PolicyError(f"policy {self.policy.name!r} was not applied before sharding: {FSDP2_RECIPE}")
+            return None
+        if policy_to_dict(applied.policy) != policy_to_dict(self.policy):
+            raise PolicyError(
+                f"configure_model applied policy {applied.policy.name!r}, but the CompileCallback holds "
+                f"{self.policy.name!r}: apply the callback's own policy (callback.policy) there"
+            )
+        return applied
 
     def _clip_in_optimizer_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The Trainer's ``gradient_clip_val`` clips inside the compiled steps, and Lightning's clipping is off
@@ -121,6 +142,9 @@ class CompileCallback(pl.Callback):
                 rank_zero_info(f"note: {self.gradient_copies.describe()}")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.strategy = strategy_kind(trainer.strategy)  # an unsupported strategy fails here, before training
+        if self.strategy != "single":
+            check_distributed_runtime(self.policy)
         if stage == "fit" and self.policy.shapes.active:
             phase = {"phase": self.telemetry.phase} if self.telemetry is not None else {}
             self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, **phase)
@@ -175,6 +199,7 @@ class CompileCallback(pl.Callback):
             self.background.close()  # a thread cannot be stopped: training ended before the compile did
             _log_background(trainer, self.background)
         self._save_cache()
+        self._report_ranks(trainer)
         cache = self.cache.summary(self.summary().get("compile_time_s")) if self.cache is not None else {}
         if self.telemetry is not None:
             self.telemetry.finish(trainer, cache)
@@ -182,6 +207,19 @@ class CompileCallback(pl.Callback):
             rank_zero_info(self.cache.describe())
             for logger in trainer.loggers:
                 logger.log_metrics(cache_metrics(cache), step=trainer.global_step)
+
+    def _report_ranks(self, trainer: pl.Trainer) -> None:
+        """Every rank's compile time and recompiles, gathered (a collective: every rank runs it) and logged once."""
+        wanted = self.policy.distributed.report_divergent_recompiles
+        if self.strategy == "single" or self.telemetry is None or not wanted:
+            return
+        summaries = gather_rank_summaries(self.telemetry.summary())
+        if summaries is None:
+            return
+        self.ranks = rank_report(summaries)
+        rank_zero_info(describe_rank_report(self.ranks))
+        for logger in trainer.loggers:  # Lightning's loggers write on rank 0 only
+            logger.log_metrics(rank_metrics(self.ranks), step=trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.telemetry is not None:

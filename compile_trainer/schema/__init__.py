@@ -6,6 +6,7 @@
 """
 
 from compile_trainer.schema.cache import CacheSettings
+from compile_trainer.schema.distributed import DistributedSettings
 from compile_trainer.schema.load import (
     SettingsError,
     bundled_policy_dir,
@@ -26,6 +27,7 @@ __all__ = [
     "CacheSettings",
     "CompilePolicy",
     "CompileSettings",
+    "DistributedSettings",
     "DynamicDim",
     "OptimizerPolicy",
     "Padding",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from compile_trainer.schema.cache import CacheSettings
+from compile_trainer.schema.distributed import DistributedSettings
 from compile_trainer.schema.settings import CompileSettings, SettingsOverrides, settings_of
 from compile_trainer.schema.shapes import ShapesPolicy
 
@@ -98,6 +99,8 @@ class CompilePolicy(CompileSettings):
     optimizer: OptimizerPolicy = field(default_factory=OptimizerPolicy)
     # A compile cache kept between runs and machines (compile_trainer.cache).
     cache: CacheSettings = field(default_factory=CacheSettings)
+    # Under DDP/FSDP2: compiler collectives, per-rank telemetry (compile_trainer.schema.distributed).
+    distributed: DistributedSettings = field(default_factory=DistributedSettings)
 
     @property
     def settings(self) -> CompileSettings:

@@ -1,0 +1,63 @@
+"""Which of Lightning's strategies a compile policy works under, and where the compile goes under each.
+
+- one process (``SingleDeviceStrategy``): the callback applies the policy at ``on_fit_start``.
+- ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ``ddp_fork``): Lightning wraps the module in
+  ``DistributedDataParallel`` in ``strategy.setup``, before ``on_fit_start``; the regions are the module's own
+  submodules, compiled in place inside the wrapper, never around it. Dynamo does not see the DDP module, so its
+  DDPOptimizer does not split graphs at bucket boundaries: the graphs and recompiles are those of one process,
+  whatever ``bucket_cap_mb``.
+- ``ModelParallelStrategy`` (FSDP2): the blocks must be compiled before ``fully_shard`` wraps them (torchtitan's
+  order: activation checkpointing, compile each block, ``fully_shard`` each block, then the root), which
+  happens in the user's ``configure_model``, a hook a callback cannot reach into: call
+  ``compile_trainer.apply_policy(self, policy)`` there before sharding; the callback adopts that policy.
+- anything else (``FSDPStrategy``, DeepSpeed, XLA...) is refused before training, naming those that work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+from compile_trainer.schema import PolicyError
+
+SUPPORTED = (
+    "one device (strategy='auto'), strategy='ddp' (also 'ddp_spawn', 'ddp_fork'), or FSDP2 through "
+    "ModelParallelStrategy with compile_trainer.apply_policy called in configure_model before fully_shard"
+)
+FSDP2_RECIPE = (
+    "under ModelParallelStrategy (FSDP2) compile the blocks before they are sharded: in configure_model, call "
+    "compile_trainer.apply_policy(self, policy) first, then fully_shard each block and the root "
+    "(docs/distributed.md)"
+)
+
+
+def strategy_kind(strategy: Any) -> str:
+    """``single``, ``ddp`` or ``fsdp2``; a ``PolicyError`` naming the strategies that work for any other."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return "fsdp2"
+    if isinstance(strategy, DDPStrategy):
+        return "ddp"
+    if isinstance(strategy, SingleDeviceStrategy):
+        return "single"
+    name = type(strategy).__name__
+    why = ""
+    if name == "FSDPStrategy":
+        why = (
+            " (FSDP1: it wraps the blocks in strategy.setup, before on_fit_start, so the regions would be compiled "
+            "inside FSDP1 units over FlatParameters, which this library neither supports nor tests; FSDP2 takes "
+            "the compiled blocks instead)"
+        )
+    raise PolicyError(f"CompileCallback does not support {name}{why}; supported: {SUPPORTED}")
+
+
+def where_compiled(kind: str) -> str:
+    """The plan table's line saying where the regions sit relative to the strategy's wrapper."""
+    return {
+        "single": "",
+        "ddp": "strategy ddp: regions compiled in place inside DistributedDataParallel (the wrapper itself is not "
+        "compiled: no DDPOptimizer graph splits, the graphs of one process)",
+        "fsdp2": "strategy fsdp2: regions compiled in configure_model before fully_shard (each compiled block "
+        "sharded as its own FSDP unit); FSDP2's all-gather/reshard hooks run eagerly (Dynamo's skip_fsdp_hooks): "
+        "a graph break where a block's frame calls them, expected",
+    }[kind]

@@ -1,0 +1,146 @@
+"""One training run of a tiny GPT under a compile policy, on 1 process or under Lightning's DDP on N CPU processes
+(gloo). Writes rank 0's results as JSON: per-step global losses, the final weights, checkpoint keys, the summary.
+
+    python tests/ddp_run.py OUT.json --policy regional --devices 2 --batch 2 [--backend eager] [--optimizer true]
+
+Every global batch holds samples of one length (lengths change between steps), and a rank's samples are its share
+of the global batch (Lightning's DistributedSampler, no shuffle): N ranks of ``batch`` equal 1 process of
+``N * batch``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
+
+from compile_trainer import CompileCallback  # noqa: E402
+from recipes.data import TokenBatch  # noqa: E402
+from recipes.gpt import GPTConfig, LanguageModel, compile_and_shard  # noqa: E402
+
+CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+LENGTHS = [16, 12, 16, 8]  # one per global batch, cycling
+
+
+class VarLengthTokens(Dataset):
+    def __init__(self, global_batch: int, steps: int, skew: bool = False):
+        self.global_batch, self.count, self.skew = global_batch, global_batch * steps, skew
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> TokenBatch:
+        length = LENGTHS[(index // self.global_batch) % len(LENGTHS)]
+        if self.skew and index % 2 == 0:  # rank 0 sees one length, rank 1 several: rank 1 alone recompiles
+            length = LENGTHS[0]
+        tokens = torch.randint(1, CONFIG.vocab_size, (length + 1,), generator=torch.Generator().manual_seed(index))
+        return TokenBatch(tokens[:-1], tokens[1:])
+
+
+class RecordingLM(LanguageModel):
+    """Records each step's loss averaged over the ranks (the loss of the global batch)."""
+
+    def __init__(self, global_batch: int, batch: int, steps: int, skew: bool = False):
+        torch.manual_seed(0)
+        super().__init__(CONFIG, lr=1e-2, warmup_steps=0, decay_steps=10_000, weight_decay=0.0)
+        self.global_batch, self.batch, self.steps, self.skew = global_batch, batch, steps, skew
+        self.losses_by_step = {}  # a warm-up batch (shapes.warmup) runs before the step's real one: overwritten
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.losses_by_step[self.global_step] = float(self.all_gather(loss.detach()).mean())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
+
+    def train_dataloader(self):
+        data = VarLengthTokens(self.global_batch, self.steps, self.skew)
+        sampler = DistributedSampler(data, self.trainer.world_size, self.global_rank, shuffle=False)
+        return DataLoader(data, batch_size=self.batch, sampler=sampler)
+
+
+class ShardedLM(RecordingLM):
+    """FSDP2: the policy applied in configure_model, then each block and the model sharded (recipes.gpt)."""
+
+    policy = None  # the callback's policy, set by main()
+
+    def configure_model(self):
+        compile_and_shard(self, self.model, self.policy, self.device_mesh["data_parallel"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--policy", default="regional")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--batch", type=int, default=2, help="samples per rank")
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--backend", default="eager")
+    parser.add_argument("--optimizer", default="false", help="the policy's optimizer.compile")
+    parser.add_argument("--consistent-dynamic-shapes", action="store_true")
+    parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
+    parser.add_argument("--cache", help="a compile cache directory (read-write)")
+    parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer}}
+    if args.policy in ("buckets",):
+        overrides["shapes"] = {"pad": {"buckets": [8, 16]}}
+    if args.cache:
+        overrides["cache"] = {"dir": args.cache, "mode": "read-write"}
+    if args.consistent_dynamic_shapes:
+        overrides["distributed"] = {"consistent_dynamic_shapes": True}
+    callback = CompileCallback(args.policy, telemetry={"measure_flops": False}, **overrides)
+    module = RecordingLM(args.global_batch, args.batch, args.steps, args.skew)
+    strategy = args.strategy if args.devices > 1 else "auto"
+    if args.strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        module = ShardedLM(args.global_batch, args.batch, args.steps, args.skew)
+        module.policy = None if args.no_apply else callback.policy
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        max_steps=args.steps, logger=False, callbacks=[callback], accelerator="cpu", devices=args.devices,
+        strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module)
+    checkpoint = Path(args.out).with_suffix(".ckpt")
+    trainer.save_checkpoint(checkpoint)
+    # FSDP2's parameters are DTensor shards: each gathered whole (a collective, so on every rank)
+    weights = {name: getattr(p, "full_tensor", p.detach)().detach().tolist() for name, p in module.named_parameters()}
+    summary = callback.summary()  # every rank's own, for the cache: each reads, rank 0 alone writes
+    Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(summary, default=str))
+    if trainer.global_rank != 0:
+        return
+    if checkpoint.is_dir():  # FSDP2: a distributed checkpoint (a shard per rank), gathered into one file here
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(checkpoint, checkpoint.with_suffix(".pt"))
+        saved = torch.load(checkpoint.with_suffix(".pt"), weights_only=False)
+        saved = {"state_dict": saved["state_dict"], "optimizer_states": [saved["optimizer_0"]]}
+    else:
+        saved = torch.load(checkpoint, weights_only=False)
+    optimizer_keys = [str(k) for state in saved["optimizer_states"] for k in state.get("state", {})]
+    result = {
+        "losses": list(module.losses_by_step.values()),
+        "weights": weights,
+        "state_dict_keys": list(saved["state_dict"]),
+        "optimizer_keys": optimizer_keys,
+        "summary": summary,
+        "plan": callback.applied.rows() if callback.applied is not None else [],
+        "world_size": trainer.world_size,
+    }
+    Path(args.out).write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()

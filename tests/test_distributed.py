@@ -1,0 +1,137 @@
+"""Compile policies under Lightning's DDP: 2 CPU processes over gloo (tests/ddp_run.py), against one process of
+the same global batch; checkpoints both ways; the strategies refused and why. Shared by the other distributed
+tests (test_fsdp2, test_distributed_telemetry, test_distributed_cache)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+
+from compile_trainer import apply_policy, to_policy
+from compile_trainer.lightning.strategies import strategy_kind
+from compile_trainer.schema import PolicyError
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = ROOT / "tests" / "ddp_run.py"
+DDP_TIMEOUT = 240
+
+
+def start(out: Path, *args: str, env: Optional[dict] = None) -> subprocess.Popen:
+    """``python tests/ddp_run.py out args...``, started (every rank's output in one stream); ``env``: more variables."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    command = [sys.executable, str(RUN), str(out), *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, out: Path) -> dict:
+    output, _ = process.communicate(timeout=DDP_TIMEOUT)
+    assert process.returncode == 0, output[-4000:]
+    return json.loads(out.read_text()) | {"output": output}
+
+
+def single_and_ddp(tmp_path: Path, *args: str) -> tuple:
+    """The same training, on 1 process of batch 4 and on 2 DDP processes of batch 2 each (run side by side)."""
+    single = start(tmp_path / "single.json", "--devices", "1", "--batch", "4", *args)
+    ddp = start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", *args)
+    return finish(single, tmp_path / "single.json"), finish(ddp, tmp_path / "ddp.json")
+
+
+def assert_same_training(single: dict, ddp: dict) -> None:
+    assert ddp["world_size"] == 2 and single["world_size"] == 1
+    assert len(ddp["losses"]) == len(single["losses"]) == 4
+    assert ddp["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    for name, weight in single["weights"].items():
+        # AdamW divides by the gradients' root mean square: float sums in another order move a weight by up to
+        # 2.5e-5 after 4 steps of lr 1e-2 (a wrong gradient moves it by about lr)
+        assert torch.allclose(torch.tensor(ddp["weights"][name]), torch.tensor(weight), atol=1e-4), name
+
+
+POLICIES = [
+    ("regional", ["--backend", "eager"]),
+    ("full", ["--backend", "aot_eager"]),
+    ("dynamic", ["--backend", "eager"]),
+    ("buckets", ["--backend", "eager"]),
+    ("regional", ["--backend", "aot_eager", "--optimizer", "true"]),
+]
+
+
+@pytest.mark.parametrize("policy,args", POLICIES, ids=["regional", "full", "dynamic", "buckets", "optimizer"])
+def test_ddp_trains_like_one_process(tmp_path, policy, args):
+    single, ddp = single_and_ddp(tmp_path, "--policy", policy, *args)
+    assert_same_training(single, ddp)
+    # Compiled in place inside the DDP wrapper: the graphs and recompiles of one process (no DDPOptimizer splits)
+    assert "regions compiled in place inside DistributedDataParallel" in ddp["output"]
+    assert ddp["summary"]["unique_graphs"] == single["summary"]["unique_graphs"] > 0
+    assert ddp["summary"]["recompiles"] == single["summary"]["recompiles"]
+    ranks = ddp["summary"]["ranks"]
+    assert ranks["ranks"] == 2 and ranks["divergent_recompile_ranks"] == []
+    assert ranks["recompiles_by_rank"] == [single["summary"]["recompiles"]] * 2
+    assert 0 < ranks["compile_time_s_min"] <= ranks["compile_time_s_max"]
+    assert ddp["output"].count("recompiles by rank") == 1  # printed once, by rank 0
+    # No _orig_mod anywhere in the distributed run's checkpoint, model or optimizer state
+    assert not [k for k in ddp["state_dict_keys"] if "_orig_mod" in k]
+    assert ddp["optimizer_keys"] and not [k for k in ddp["optimizer_keys"] if "_orig_mod" in k]
+    if "--optimizer" in args:
+        # the compiled step chosen and installed, its gradients those DDP's reducer averaged (same weights above)
+        assert "optimizer AdamW: compiled" in ddp["output"]
+    if policy == "buckets":
+        assert ddp["summary"]["buckets"] == [8, 16] and ddp["summary"]["padding_overhead"] > 0  # 12 padded to 16
+
+
+def test_ddp_checkpoint_loads_into_eager_model_and_back(tmp_path):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ddp_run import RecordingLM
+
+    ddp = finish(
+        start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", "--policy", "regional"), tmp_path / "ddp.json"
+    )
+    checkpoint = torch.load(tmp_path / "ddp.ckpt", weights_only=False)
+    eager = RecordingLM(4, 4, 4)
+    eager.load_state_dict(checkpoint["state_dict"])  # strict: every key matches an eager model's
+    for name, param in eager.named_parameters():
+        assert torch.allclose(param, torch.tensor(ddp["weights"][name])), name
+    compiled = RecordingLM(4, 4, 4)
+    applied = apply_policy(compiled, to_policy("regional", backend="eager"))
+    compiled.load_state_dict(eager.state_dict())  # and back, into a compiled model
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    applied.remove()
+
+
+def test_strategies_supported_and_refused():
+    assert strategy_kind(DDPStrategy()) == "ddp"
+    assert strategy_kind(ModelParallelStrategy()) == "fsdp2"
+    assert strategy_kind(SingleDeviceStrategy(torch.device("cpu"))) == "single"
+    refused = r"does not support FSDPStrategy \(FSDP1: .*FSDP2 takes the compiled blocks.*supported: .*'ddp'"
+    with pytest.raises(PolicyError, match=refused):
+        strategy_kind(FSDPStrategy())
+
+
+def test_callback_adopts_a_policy_applied_in_configure_model_and_refuses_another():
+    from compile_trainer import CompileCallback
+    from tests.conftest import quiet_cpu_trainer
+    from tests.telemetry_models import TinyRegression
+
+    class AppliesItself(TinyRegression):
+        policy = None
+
+        def configure_model(self):
+            if getattr(self, "_compile_trainer_applied", None) is None:
+                apply_policy(self, self.policy)
+
+    callback = CompileCallback("regional", backend="eager", print_plan=False, telemetry=False)
+    module = AppliesItself(n_batches=2)
+    module.policy = callback.policy
+    quiet_cpu_trainer(max_steps=2, callbacks=[callback]).fit(module)
+    assert callback.applied is module._compile_trainer_applied  # adopted, not applied twice
+
+    other = AppliesItself(n_batches=2)
+    other.policy = to_policy("full", backend="eager")
+    callback = CompileCallback("regional", backend="eager", print_plan=False, telemetry=False)
+    with pytest.raises(PolicyError, match="configure_model applied policy 'full', but the CompileCallback holds"):
+        quiet_cpu_trainer(max_steps=2, callbacks=[callback]).fit(other)
