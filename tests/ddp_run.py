@@ -94,6 +94,8 @@ def main() -> None:
     overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer}}
     if args.policy in ("buckets",):
         overrides["shapes"] = {"pad": {"buckets": [8, 16]}}
+    if args.policy == "buckets_auto":
+        overrides["shapes"] = {"pad": {"auto": {"count": 2, "sample_batches": 8, "multiple_of": 4}}}
     if args.cache:
         overrides["cache"] = {"dir": args.cache, "mode": "read-write"}
     if args.consistent_dynamic_shapes:

@@ -58,10 +58,17 @@ POLICIES = [
     ("dynamic", ["--backend", "eager"]),
     ("buckets", ["--backend", "eager"]),
     ("regional", ["--backend", "aot_eager", "--optimizer", "true"]),
+    # the other bundled policies (on the CPU, the CUDA-graph and autotuning modes are the default mode)
+    ("regional_split", ["--backend", "eager"]),
+    ("regional_nested", ["--backend", "aot_eager"]),
+    ("reduce_overhead", ["--backend", "eager"]),
+    ("max_autotune", ["--backend", "eager"]),
+    ("buckets_auto", ["--backend", "eager"]),
 ]
+POLICY_IDS = ["regional", "full", "dynamic", "buckets", "optimizer"] + [p for p, _ in POLICIES[5:]]
 
 
-@pytest.mark.parametrize("policy,args", POLICIES, ids=["regional", "full", "dynamic", "buckets", "optimizer"])
+@pytest.mark.parametrize("policy,args", POLICIES, ids=POLICY_IDS)
 def test_ddp_trains_like_one_process(tmp_path, policy, args):
     single, ddp = single_and_ddp(tmp_path, "--policy", policy, *args)
     assert_same_training(single, ddp)
@@ -135,3 +142,14 @@ def test_callback_adopts_a_policy_applied_in_configure_model_and_refuses_another
     callback = CompileCallback("regional", backend="eager", print_plan=False, telemetry=False)
     with pytest.raises(PolicyError, match="configure_model applied policy 'full', but the CompileCallback holds"):
         quiet_cpu_trainer(max_steps=2, callbacks=[callback]).fit(other)
+
+
+@pytest.mark.parametrize("policy", ["regional_background", "full_background"])
+def test_background_policies_are_refused_under_ddp_before_training(tmp_path, policy):
+    """A background compile makes torch.compiler.is_compiling() true process-wide, so the training step's
+    collectives refuse to run (seen: self.all_gather under DDP); the policy is refused at setup instead."""
+    process = start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", "--policy", policy)
+    output, _ = process.communicate(timeout=DDP_TIMEOUT)
+    assert process.returncode != 0 and not (tmp_path / "ddp.json").exists()
+    assert "background: true is not supported in distributed training" in output
+    assert "training_step" not in output, "refused at setup, before any step ran"

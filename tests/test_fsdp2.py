@@ -7,12 +7,17 @@ import torch
 
 from tests.test_distributed import DDP_TIMEOUT, ROOT, assert_same_training, finish, start
 
+AOT = ("full", "regional_nested")  # compiled with aot_eager (nested regions need an AOT backend)
+# every bundled policy but the background ones, refused in distributed training (test_distributed)
+POLICIES = ["regional", "full", "dynamic", "buckets", "regional_split", "regional_nested", "reduce_overhead"]
+POLICIES += ["max_autotune", "buckets_auto"]
 
-@pytest.mark.parametrize("policy", ["regional", "full", "dynamic", "buckets"])
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_fsdp2_model_parallel_strategy_trains_like_one_process(tmp_path, policy):
     """FSDP2 through Lightning's ModelParallelStrategy on 2 CPU processes (gloo): the policy applied in
     configure_model before fully_shard, the callback adopting it; a sharded (distributed) checkpoint."""
-    args = ["--policy", policy, "--backend", "aot_eager" if policy == "full" else "eager"]
+    args = ["--policy", policy, "--backend", "aot_eager" if policy in AOT else "eager"]
     single = start(tmp_path / "single.json", "--devices", "1", "--batch", "4", *args)
     fsdp = start(tmp_path / "fsdp.json", "--devices", "2", "--batch", "2", "--strategy", "fsdp2", *args)
     single, fsdp = finish(single, tmp_path / "single.json"), finish(fsdp, tmp_path / "fsdp.json")
