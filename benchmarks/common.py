@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -19,6 +20,20 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from compile_trainer.tables import text_table
+
+
+def is_recompile(metric: Any) -> bool:
+    """A Dynamo compilation-metrics entry whose compile id "frame/attempt" has attempt > 0: a recompile."""
+    match = re.search(r"(\d+)/(\d+)", str(metric.compile_id))
+    return bool(match) and int(match.group(2)) > 0
+
+
+def frame_compile_seconds(metric: Any) -> float:
+    """A frame's compile time from a compilation-metrics entry; the field differs across torch versions
+    (``entire_frame_compile_time_s``; ``duration_us`` where that is missing)."""
+    seconds = getattr(metric, "entire_frame_compile_time_s", None)
+    return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
+
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name; Lightning does not know the H200 (same chip as H100 SXM).
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}

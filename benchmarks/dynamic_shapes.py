@@ -35,7 +35,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import format_table, synchronize, write_result  # noqa: E402
+from benchmarks.common import format_table, frame_compile_seconds, is_recompile, synchronize, write_result  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
@@ -120,14 +120,14 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
         step_seconds.append(time.perf_counter() - step_started)
     total = time.perf_counter() - started
     metrics = list(torch._dynamo.utils.get_compilation_metrics())
-    recompiles = [m for m in metrics if m.co_name and not str(m.compile_id).endswith("/0")]
+    recompiles = [m for m in metrics if m.co_name and is_recompile(m)]
     steady = sorted(step_seconds)[: max(1, len(step_seconds) // 2)]  # the faster half: steps without compiles
     return {
         "variant": variant,
         "total_s": total,
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
         "recompiles": len(recompiles),
-        "compile_s": sum((getattr(m, "duration_us", None) or 0) for m in metrics) / 1e6,
+        "compile_s": sum(frame_compile_seconds(m) for m in metrics),
         "steady_step_ms": 1e3 * statistics.median(steady),
         "tokens_per_s": real_tokens / total,
         "padding": padded_tokens / real_tokens - 1,

@@ -37,7 +37,14 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, format_table, synchronize, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    environment,
+    format_table,
+    frame_compile_seconds,
+    is_recompile,
+    synchronize,
+    write_result,
+)
 from benchmarks.real_models import build_model, fresh_compiler_state  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
@@ -51,14 +58,6 @@ COLUMNS = [
     "variant", "total_s", "vs_plain_total", "compile_s", "warmup_s", "steady_real_tokens_per_s", "vs_fixed_length",
     "graphs", "recompiles_after_warmup", "padding", "buckets",
 ]  # fmt: skip
-
-
-class Root(nn.Module):
-    """The model under ``model``, as in a LightningModule, so the bundled rules (``name: "*"``) match it."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
 
 
 def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]]:
@@ -105,7 +104,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         if variant == "buckets_auto":
             overrides["shapes"] = {"pad": {"max": args.max_length}}
         policy = to_policy(variant, **overrides)
-        applied = apply_policy(Root(model), policy, device=device)
+        holder = nn.ModuleDict({"model": model})  # as in a LightningModule, so the bundled rules (name: "*") match
+        applied = apply_policy(holder, policy, device=device)
         shaper = BatchShaper(policy.shapes)
         RegionShapeInterceptors(applied, shaper)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -150,6 +150,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             steady_s += time.perf_counter() - step_started
     total = time.perf_counter() - started
     metrics = list(compat.compilation_metrics())
+    recompiles = [m for m in metrics if is_recompile(m)]
     return {
         "variant": variant,
         "total_s": total,
@@ -158,24 +159,15 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         "steady_real_tokens_per_s": steady_tokens / steady_s if steady_s else None,
         "graphs": compat.unique_graphs(),
         # after a warm-up every compile is one too many; else a frame's compiles after its first
-        "recompiles_after_warmup": len(metrics) - warmed if warmed is not None else len(frame_recompiles(metrics)),
+        "recompiles_after_warmup": len(metrics) - warmed
+        if warmed is not None
+        else sum(1 for m in metrics if is_recompile(m)),
         "padding": positions / real - 1,
         "buckets": shaper.buckets if shaper is not None else None,
-        "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in frame_recompiles(metrics)][:10],
+        "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in recompiles][:10],
         "steps": len(batches),
         "real_tokens": real,
     }
-
-
-def frame_compile_seconds(metric: Any) -> float:
-    """A frame's compile time (forward and what compiled with it); the field differs across torch versions."""
-    seconds = getattr(metric, "entire_frame_compile_time_s", None)
-    return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
-
-
-def frame_recompiles(metrics: List[Any]) -> List[Any]:
-    """Compiles of a frame that already had compiled code (compile id "frame/attempt", attempt > 0)."""
-    return [m for m in metrics if not str(m.compile_id).endswith("/0")]
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:

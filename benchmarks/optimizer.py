@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import re
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import StepTimer, format_table, write_result  # noqa: E402
+from benchmarks.common import StepTimer, format_table, frame_compile_seconds, is_recompile, write_result  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
@@ -184,12 +183,6 @@ def profile_kernels(step: Callable[[], Any], scheduler: Any, before: Callable[[]
     }
 
 
-def is_recompile(metrics: Any) -> bool:
-    """A compile id "frame/attempt" with attempt > 0 is a recompile of that frame."""
-    match = re.search(r"(\d+)/(\d+)", str(metrics.compile_id))
-    return bool(match) and int(match.group(2)) > 0
-
-
 def warmup_steps(optimizer: torch.optim.Optimizer) -> int:
     """Steps that compile or run auto's trial, not steady state: the first 2, or the trial and 2 more."""
     step = optimizer.__dict__.get("step")
@@ -237,7 +230,7 @@ def run_variant(
     row["gb_per_s"] = PASSES * param_bytes / (row["step_ms"] / 1000) / 1e9
     row["host_ms"] = statistics.median(host_ms[warmup:] or host_ms)
     row["first_steps_s"] = sum(step_ms[:warmup]) / 1000
-    row["compile_s"] = sum(getattr(m, "entire_frame_compile_time_s", None) or 0.0 for m in compiles)
+    row["compile_s"] = sum(frame_compile_seconds(m) for m in compiles)
     row["compile_phases_s"] = {
         phase: sum(getattr(m, name, None) or 0 for m in compiles) / 1e6 for phase, name in COMPILE_PHASES.items()
     }

@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     StepTimer,
     environment,
     format_table,
+    is_recompile,
     peak_flops,
     synchronize,
     timed,
@@ -387,7 +388,7 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
         "recompile_reasons": [
             f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
             for m in get_compilation_metrics()
-            if not str(m.compile_id).endswith("/0")
+            if is_recompile(m)
         ][:10],
         "losses": [float(loss) for loss in losses],
     }

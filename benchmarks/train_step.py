@@ -39,6 +39,7 @@ from benchmarks.common import (  # noqa: E402
     HostTimer,
     StepTimer,
     format_table,
+    is_recompile,
     peak_flops,
     quiet_trainer,
     synchronize,
@@ -442,7 +443,7 @@ def finish(first_step, timer, window, args, config, device, flops, losses) -> Di
         "recompile_reasons": [
             f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
             for m in get_compilation_metrics()
-            if not str(m.compile_id).endswith("/0")
+            if is_recompile(m)
         ],
         "losses": [float(loss) for loss in losses[:5]],
         "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},

@@ -254,14 +254,17 @@ class BatchShaper:
             "padding_overhead": measured,
         }
 
-    def bucket_for(self, length: int) -> Optional[int]:
-        """The smallest bucket that holds ``length``; ``None`` when it is longer than every bucket."""
-        pad = self.shapes.pad
-        if self.buckets is None and pad.auto is not None:
+    def _require_chosen_buckets(self) -> None:
+        if self.buckets is None and self.shapes.pad.auto is not None:
             raise ShapeError(
                 "shapes.pad.auto has not chosen its buckets yet: call BatchShaper.choose_buckets with observed "
                 "batch lengths first (CompileCallback does, from the first training batches)"
             )
+
+    def bucket_for(self, length: int) -> Optional[int]:
+        """The smallest bucket that holds ``length``; ``None`` when it is longer than every bucket."""
+        pad = self.shapes.pad
+        self._require_chosen_buckets()
         if self.buckets is None:
             return -(-length // pad.multiple_of) * pad.multiple_of
         return next((bucket for bucket in self.buckets if bucket >= length), None)
@@ -373,7 +376,7 @@ class BatchShaper:
         """
         if self.buckets is None and self.shapes.pad.auto is None:
             return [self(batch)]
-        self.bucket_for(0)  # auto buckets must have been chosen
+        self._require_chosen_buckets()
         return [self.mark(self.pad(self.pad(batch, max(length - 1, 1)), length)) for length in self.buckets]
 
 
