@@ -191,6 +191,15 @@ def main() -> None:
         args.phase_out.write_text(json.dumps(run_phase(args)))
         return
 
+    notes = [
+        "Each phase a fresh process; first_step_s counts the bundle's load, the compile and the first step "
+        "(forward, backward, optimizer); startup_s (imports, model construction) is not counted.",
+        "new_machine*: empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, the bundle the cold phase wrote; "
+        "new_machine_mega loads only its mega-cache (torch.compiler.load_cache_artifacts).",
+        "full runs with mode reduce-overhead (CUDA graphs), like regional.",
+    ]
+    earlier = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
+    title = "Compile cache: cold vs same machine vs new machine"
     work = Path(tempfile.mkdtemp(prefix="compile_cache_bench_"))
     rows: List[Dict[str, Any]] = []
     try:
@@ -210,19 +219,11 @@ def main() -> None:
                         row["loss_matches_cold"] = result["losses"] == cold["losses"]
                     rows.append(row)
                     print(format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
+                    # after each phase: a run cut short keeps what it measured
+                    write_result(args.out, "compile_cache", title, COLUMNS, earlier + rows, notes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    notes = [
-        "Each phase a fresh process; first_step_s counts the bundle's load, the compile and the first step "
-        "(forward, backward, optimizer); startup_s (imports, model construction) is not counted.",
-        "new_machine*: empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, the bundle the cold phase wrote; "
-        "new_machine_mega loads only its mega-cache (torch.compiler.load_cache_artifacts).",
-        "full runs with mode reduce-overhead (CUDA graphs), like regional.",
-    ]
-    if args.append and args.out.exists():
-        rows = json.loads(args.out.read_text())["rows"] + rows
-    write_result(args.out, "compile_cache", "Compile cache: cold vs same machine vs new machine", COLUMNS, rows, notes)
-    print(format_table(COLUMNS, rows))
+    print(format_table(COLUMNS, earlier + rows))
     print(f"wrote {args.out}")
 
 

@@ -1,14 +1,17 @@
 """Variable-length batches on a Hugging Face Llama: plain ``torch.compile`` vs the bundled shape policies.
 
-The stream: ``--steps`` batches of 8 rows, each batch of one length drawn uniformly from 64..1024 (seeded); within
-a batch, rows after the first are shorter (uniform in half..all of it), padded at the end as a collator pads them
-(``input_ids`` 0, ``attention_mask`` 0, ``labels`` -100). The model: ``LlamaForCausalLM`` of the regional issue
-(vocab 32000, hidden 1024, 16 layers; random weights, ``use_cache=False``), bf16 autocast, fused AdamW, loss
-from ``labels=``. Each variant runs in a fresh process with empty compile caches; total time counts every
-compile and warm-up, as a user pays it.
+The stream: ``--steps`` batches of 8 rows, each batch of one length drawn uniformly from 64..1024 (seeded): a new
+sequence length every step, as the issue's stream. With ``--rows ragged``, rows after the first are shorter
+(uniform in half..all of the batch's length), padded at the end as a collator pads them (``input_ids`` 0,
+``attention_mask`` 0, ``labels`` -100): that padding is in every variant's batches, and the fixed-length reference
+has none, so it caps ``vs_fixed_length`` near real tokens / positions.
+The model: ``LlamaForCausalLM`` of the regional issue (vocab 32000, hidden 1024, 16 layers; random weights,
+``use_cache=False``), bf16 autocast, fused AdamW, loss from ``labels=``. Each variant runs in a fresh process with
+empty compile caches; total time counts every compile and warm-up, as a user pays it.
 
     python benchmarks/hf_varlen.py                       # GPU: every variant, benchmarks/results/hf_varlen.json
     python benchmarks/hf_varlen.py --smoke --out /tmp/x  # CPU, tiny model, aot_eager
+    python benchmarks/hf_varlen.py --variants dynamic --steps 40 --profile 3 --out /tmp/x  # where a step's time goes
 
 Variants:
 - ``plain``: ``torch.compile(model)``, batches as they come.
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -54,6 +57,10 @@ from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa
 
 VARIANTS = ["plain", "dynamic", "buckets", "buckets_auto", "fixed_length"]
 FIXED_BUCKETS = [128, 256, 512, 1024]
+ROWS = {
+    "equal": "every row of a batch of its length",
+    "ragged": "rows after the first shorter, padded at the end (collator padding in every variant)",
+}
 COLUMNS = [
     "variant", "total_s", "vs_plain_total", "compile_s", "warmup_s", "steady_real_tokens_per_s", "vs_fixed_length",
     "graphs", "recompiles_after_warmup", "padding", "buckets",
@@ -68,7 +75,7 @@ def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]
         length = rng.randint(args.min_length, args.max_length)
         ids = torch.randint(1, vocab, (args.batch_size, length), generator=generator)
         mask = torch.ones_like(ids)
-        for row in range(1, args.batch_size):
+        for row in range(1, args.batch_size if args.rows == "ragged" else 1):
             mask[row, rng.randint(length // 2, length) :] = 0
         ids = ids * mask
         labels = ids.masked_fill(mask == 0, -100)
@@ -85,6 +92,17 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
     return [{"input_ids": t, "attention_mask": torch.ones_like(t), "labels": t.clone()} for t in tokens]
 
 
+def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
+    """A policy variant's bundled policy and its overrides: ``dynamic@rest=outer@mode=reduce-overhead`` is the
+    bundled ``dynamic`` with every rule's ``rest`` and the policy's ``mode`` replaced (an experiment)."""
+    name, *pairs = variant.split("@")
+    overrides = dict(pair.split("=", 1) for pair in pairs)
+    unknown = set(overrides) - {"rest", "mode"}
+    if name not in VARIANTS or unknown:
+        raise argparse.ArgumentTypeError(f"variant {variant!r}: one of {VARIANTS}, then @rest=... or @mode=...")
+    return name, overrides
+
+
 def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     device = torch.device("cpu" if args.smoke else "cuda")
     torch.manual_seed(0)
@@ -92,18 +110,23 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     batches = stream(args, vocab)
-    if variant == "fixed_length":
+    name, changes = variant_policy(variant)
+    if name == "fixed_length":
         batches = packed(batches, args)
     shaper, forward, policy = None, model, None
-    if variant in ("plain", "fixed_length"):
+    if name in ("plain", "fixed_length"):
         forward = torch.compile(model, backend=args.backend)
     else:
         overrides = {"backend": args.backend}
-        if variant == "buckets":
+        if name == "buckets":
             overrides["shapes"] = {"pad": {"buckets": [b * args.max_length // 1024 for b in FIXED_BUCKETS]}}
-        if variant == "buckets_auto":
+        if name == "buckets_auto":
             overrides["shapes"] = {"pad": {"max": args.max_length}}
-        policy = to_policy(variant, **overrides)
+        if "mode" in changes:
+            overrides["mode"] = None if changes["mode"] == "null" else changes["mode"]
+        policy = to_policy(name, **overrides)
+        if "rest" in changes:
+            policy = to_policy(policy, rules=[dict(vars(rule), rest=changes["rest"]) for rule in policy.rules])
         holder = nn.ModuleDict({"model": model})  # as in a LightningModule, so the bundled rules (name: "*") match
         applied = apply_policy(holder, policy, device=device)
         shaper = BatchShaper(policy.shapes)
@@ -149,6 +172,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             steady_tokens += int(batch["attention_mask"].sum())
             steady_s += time.perf_counter() - step_started
     total = time.perf_counter() - started
+    if args.profile:
+        profile_steps(variant, batches[-args.profile :], shaper, train_step, device, args)
     metrics = list(compat.compilation_metrics())
     recompiles = [m for m in metrics if is_recompile(m)]
     return {
@@ -170,6 +195,31 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
+    """Profile ``batches`` (lengths the stream has seen, so nothing compiles) and write where the time went:
+    the top ops by GPU time and by host time, and the kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            train_step(shaper(batch) if shaper is not None else batch)
+        synchronize(device)
+    events = profiler.key_averages()
+    device_sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    lengths = [int(b["input_ids"].shape[1]) for b in batches]
+    text = [
+        f"{variant}: {len(batches)} steps of lengths {lengths}; {kernels / len(batches):.0f} GPU kernels per step",
+        events.table(sort_by=device_sort, row_limit=25),
+        events.table(sort_by="self_cpu_time_total", row_limit=25),
+    ]
+    path = args.out.parent / f"{args.out.stem}_profile_{variant}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(text))
+
+
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     by_name = {row["variant"]: row for row in rows if "error" not in row}
     for row in by_name.values():
@@ -183,17 +233,33 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_varlen.json")
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument(
+        "--variants", nargs="+", default=VARIANTS, help=f"of {VARIANTS}; a policy's with @rest=... / @mode=..."
+    )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--min-length", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rows",
+        choices=["equal", "ragged"],
+        default="equal",
+        help="rows of a batch: one length, or shorter rows after the first, padded by the collator",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="profile this many more steps per variant, after the stream (<out>_profile_<variant>.txt)",
+    )
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, aot_eager, 8 steps")
     parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    for variant in args.variants:
+        variant_policy(variant)
     if args.smoke:
         args.steps, args.batch_size, args.min_length, args.max_length, args.backend = 8, 2, 8, 64, "aot_eager"
     if args.worker:
@@ -202,7 +268,7 @@ def main() -> None:
         return
     notes = [
         f"{args.steps} steps, batch {args.batch_size}, batch lengths uniform in {args.min_length}..{args.max_length} "
-        f"(seed {args.seed}), rows after the first shorter, padded at the end; HF Llama (16 layers, d 1024, vocab "
+        f"(seed {args.seed}), {ROWS[args.rows]}; HF Llama (16 layers, d 1024, vocab "
         "32000), bf16 autocast, fused AdamW; each variant in a fresh process with empty caches",
         "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
         "steady_real_tokens_per_s: real (unmasked) tokens over the steps that compiled nothing; padding: positions "

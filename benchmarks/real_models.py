@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     StepTimer,
     environment,
     format_table,
+    frame_compile_seconds,
     is_recompile,
     peak_flops,
     synchronize,
@@ -113,7 +114,16 @@ LOSSES_COMPARED = 5  # the first steps' losses compared with eager's
 def describe(variant: str) -> str:
     if variant in PEERS:
         return PEERS[variant]
-    return f"apply_policy(model, to_policy({variant[len(POLICY_PREFIX) :]!r}))"
+    name, rest = policy_and_rest(variant)
+    rules = f", rules=[every rule with rest={rest!r}]" if rest else ""
+    return f"apply_policy(model, to_policy({name!r}{rules}))"
+
+
+def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
+    """A policy variant's bundled policy and its ``rest`` override: ``policy_regional@rest=eager`` runs the
+    bundled ``regional`` with every rule's ``rest`` set to ``eager`` (an experiment on what the rest costs)."""
+    name, _, rest = variant[len(POLICY_PREFIX) :].partition("@rest=")
+    return name, rest or None
 
 
 # -- the models ----------------------------------------------------------------------------------------------
@@ -287,8 +297,10 @@ def prepare(
         return compile_regions(model, backend=backend), None, False, []
     from compile_trainer import apply_policy, to_policy
 
-    name = variant[len(POLICY_PREFIX) :]
+    name, rest = policy_and_rest(variant)
     policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
+    if rest:
+        policy = to_policy(policy, rules=[dict(vars(rule), rest=rest) for rule in policy.rules])
     holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
     applied = apply_policy(holder, policy)
     return model, applied, False, list(applied.notes)
@@ -385,6 +397,11 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
         "graph_breaks": totals["graph_breaks"],
         "cudagraph_skips": totals["cudagraph_skips"],
         "compile_s": totals["compile_time_s"],
+        # Each compile (a frame's forward, or its lazily compiled backward) and its seconds, in order.
+        "compiles": [
+            [str(m.compile_id), m.co_name or "backward", round(frame_compile_seconds(m), 3)]
+            for m in get_compilation_metrics()
+        ],
         "recompile_reasons": [
             f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
             for m in get_compilation_metrics()
@@ -439,7 +456,7 @@ def precheck(variant: str) -> Optional[str]:
     if variant.startswith(POLICY_PREFIX):
         from compile_trainer.schema.load import bundled_policy_names
 
-        name = variant[len(POLICY_PREFIX) :]
+        name, _ = policy_and_rest(variant)
         if name not in bundled_policy_names():
             return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
         if not has_module("omegaconf"):
