@@ -12,7 +12,7 @@ The compilers change process-wide state while they work, as if nothing else ran 
 - Dynamo holds ``torch.compiler.is_compiling()``'s flag true for a whole compile (torch 2.13), for every thread:
   eager code on the training thread then takes its compiled-code branches meanwhile. Collectives refuse to run
   (``self.all_gather(..., sync_grads=True)`` under DDP: "torch.distributed.nn.functional.all_gather is not
-  supported under torch.compile"), and optimizers pick other implementations.
+  supported under torch.compile"), and ``torch.optim`` takes its compiled-code paths.
 
 Inside ``guarded_thread()`` all three are confined to the thread: its random-number restores do nothing (a thread
 that compiles without running has drawn nothing to undo), FX's method patches made on it apply to it alone, and
