@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -242,6 +242,28 @@ def fx_patcher() -> type:
     return _symbolic_trace._Patcher
 
 
+# torch.compiler._compile_session_context() holds torch.compiler._is_compiling_flag, which is_compiling() reads,
+# True for a whole Dynamo compile (convert_frame's compile_inner enters it; checked 2.13): one flag for the process,
+# so a compile on one thread makes is_compiling() true on every other. Dynamo folds the is_compiling() calls it
+# traces to True without reading the flag. A torch without this context manager has no such flag to confine.
+COMPILE_SESSION = "_compile_session_context"
+
+
+def compile_session_owner() -> Optional[Tuple[Any, str]]:
+    """(owner, name) of the context manager that sets the process-wide compiling flag, or None on a torch
+    without one."""
+    return (torch.compiler, COMPILE_SESSION) if hasattr(torch.compiler, COMPILE_SESSION) else None
+
+
+def _probe_compile_session() -> None:
+    owner = compile_session_owner()
+    if owner is None:
+        return
+    with getattr(*owner)():
+        assert torch.compiler.is_compiling(), "is_compiling() no longer reads the compile session's flag"
+    assert not torch.compiler.is_compiling()
+
+
 # -- Optimizers --------------------------------------------------------------------------------------------
 # Optimizer.step runs the global and per-optimizer step hooks; a replacement step must run them too, set
 # `_opt_called` (LR schedulers warn without it) and say whether it handles AMP scaling (checked 2.9.1-2.13).
@@ -375,6 +397,7 @@ ENTRIES = [
     Entry("mark_static_address", lambda: mark_static_address(torch.zeros(2))),
     Entry("compiled_call", _probe_compiled_call),
     Entry("fx_patcher", lambda: fx_patcher().patch_method),
+    Entry("compile_session_owner", _probe_compile_session),
     Entry("optimizer internals", _probe_optimizer),
     Entry("fresh_inductor_cache", fresh_inductor_cache),
     Entry("inductor_cache_dir", lambda: os.path.isdir(inductor_cache_dir())),

@@ -11,12 +11,15 @@ of the global batch (Lightning's DistributedSampler, no shuffle): N ranks of ``b
 import argparse
 import json
 import sys
+import threading
 from pathlib import Path
+from typing import List, Optional
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from torch._dynamo.callback import callback_handler  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
 from compile_trainer import CompileCallback  # noqa: E402
@@ -25,6 +28,7 @@ from recipes.gpt import GPTConfig, LanguageModel, compile_and_shard  # noqa: E40
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 LENGTHS = [16, 12, 16, 8]  # one per global batch, cycling
+BACKGROUND_THREAD = "compile_trainer-background"
 
 
 class VarLengthTokens(Dataset):
@@ -42,6 +46,24 @@ class VarLengthTokens(Dataset):
         return TokenBatch(tokens[:-1], tokens[1:])
 
 
+class HeldBackgroundCompile:
+    """Holds the background thread inside its first Dynamo compile until released: the steps run meanwhile run
+    eagerly while the thread is certainly compiling."""
+
+    def __init__(self):
+        self.inside, self.released = threading.Event(), threading.Event()
+        callback_handler.register_start_callback(self._hold)
+
+    def _hold(self, *args) -> None:
+        if threading.current_thread().name == BACKGROUND_THREAD and not self.released.is_set():
+            self.inside.set()
+            self.released.wait(timeout=120)
+
+    @property
+    def compiling(self) -> bool:
+        return self.inside.is_set() and not self.released.is_set()
+
+
 class RecordingLM(LanguageModel):
     """Records each step's loss averaged over the ranks (the loss of the global batch)."""
 
@@ -50,11 +72,30 @@ class RecordingLM(LanguageModel):
         super().__init__(CONFIG, lr=1e-2, warmup_steps=0, decay_steps=10_000, weight_decay=0.0)
         self.global_batch, self.batch, self.steps, self.skew = global_batch, batch, steps, skew
         self.losses_by_step = {}  # a warm-up batch (shapes.warmup) runs before the step's real one: overwritten
+        self.sync_grads = False  # gather the loss as a user's contrastive loss would: all_gather(sync_grads=True)
+        self.compile_callback: Optional[CompileCallback] = None
+        self.compiled_from: List[int] = []  # per rank: the first step of the held background compile's regions
+        self.held: Optional[HeldBackgroundCompile] = None
+        self.gathered_while_compiling = []  # steps whose all_gather ran while the background thread compiled
+
+    def on_train_start(self) -> None:
+        if self.compiled_from and self.compile_callback.background is not None:
+            self.held = HeldBackgroundCompile()
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
-        self.losses_by_step[self.global_step] = float(self.all_gather(loss.detach()).mean())
+        if self.held is not None and self.compile_callback.background.state == "compiling":
+            assert self.held.inside.wait(timeout=120), "the background thread never started compiling"
+        gathered = self.all_gather(loss if self.sync_grads else loss.detach(), sync_grads=self.sync_grads)
+        if self.held is not None and self.held.compiling:
+            self.gathered_while_compiling.append(batch_idx)
+        self.losses_by_step[self.global_step] = float(gathered.detach().mean())
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.held is not None and batch_idx + 1 == self.compiled_from[self.global_rank]:
+            self.held.released.set()
+            self.compile_callback.background.wait()  # installed: the compiled regions run from the next step
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
@@ -89,6 +130,11 @@ def main() -> None:
     parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
     parser.add_argument("--cache", help="a compile cache directory (read-write)")
     parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
+    parser.add_argument("--sync-grads", action="store_true", help="the loss gathered with all_gather(sync_grads=True)")
+    parser.add_argument(
+        "--compiled-from", help="background policies: per rank, the step from which the compiled regions run (>= 2); "
+        "the thread is held inside its compile until then, while the steps run eagerly",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer}}
@@ -109,6 +155,8 @@ def main() -> None:
         module = ShardedLM(args.global_batch, args.batch, args.steps, args.skew)
         module.policy = None if args.no_apply else callback.policy
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    module.compile_callback, module.sync_grads = callback, args.sync_grads
+    module.compiled_from = [int(step) for step in args.compiled_from.split(",")] if args.compiled_from else []
     trainer = pl.Trainer(
         max_steps=args.steps, logger=False, callbacks=[callback], accelerator="cpu", devices=args.devices,
         strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -140,6 +188,7 @@ def main() -> None:
         "summary": summary,
         "plan": callback.applied.rows() if callback.applied is not None else [],
         "world_size": trainer.world_size,
+        "gathered_while_compiling": module.gathered_while_compiling,
     }
     Path(args.out).write_text(json.dumps(result, default=str))
 

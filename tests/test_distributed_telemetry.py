@@ -55,5 +55,6 @@ def test_rank_report_names_divergent_ranks():
 
 def test_distributed_check_passes_without_the_option():
     check_distributed_runtime(to_policy("regional"))  # nothing to refuse: no exception
+    check_distributed_runtime(to_policy("regional_background"))  # accepted (tests/test_distributed.py runs it)
     with pytest.raises(PolicyError, match="needs an accelerator"):
         check_distributed_runtime(to_policy("regional", distributed={"consistent_dynamic_shapes": True}))

@@ -7,10 +7,10 @@ import torch
 
 from tests.test_distributed import DDP_TIMEOUT, ROOT, assert_same_training, finish, start
 
-AOT = ("full", "regional_nested")  # compiled with aot_eager (nested regions need an AOT backend)
-# every bundled policy but the background ones, refused in distributed training (test_distributed)
+AOT = ("full", "regional_nested", "full_background")  # compiled with aot_eager (nested regions need an AOT backend)
+# every bundled policy; the background ones compile in the foreground under FSDP2 (lightning/strategies.py)
 POLICIES = ["regional", "full", "dynamic", "buckets", "regional_split", "regional_nested", "reduce_overhead"]
-POLICIES += ["max_autotune", "buckets_auto"]
+POLICIES += ["max_autotune", "buckets_auto", "regional_background", "full_background"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -26,6 +26,9 @@ def test_fsdp2_model_parallel_strategy_trains_like_one_process(tmp_path, policy)
     assert fsdp["summary"]["ranks"]["divergent_recompile_ranks"] == []
     # FSDP2's hooks are skipped by Dynamo: they run eagerly, one distinct break where a compiled frame calls them
     assert fsdp["summary"]["graph_breaks"] == single["summary"]["graph_breaks"] + 1
+    if policy.endswith("_background"):  # no thread: a copy of an FSDP2 block cannot be made, its hooks are collectives
+        assert "background: true, compiled in the foreground: under FSDP2" in fsdp["output"]
+        assert "background_eager_steps" not in fsdp["summary"] and single["summary"]["background_eager_steps"] >= 1
     if policy == "buckets":  # static graphs per bucket: no recompile on any rank
         assert fsdp["summary"]["ranks"]["recompiles_by_rank"] == [0, 0]
     assert (tmp_path / "fsdp.ckpt").is_dir()  # a shard per rank

@@ -79,6 +79,8 @@ class AppliedPolicy:
     interceptors: InterceptorChain = field(default_factory=InterceptorChain)
     # Process-wide settings held while the policy is applied; closed by remove().
     process_settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    # Why a background policy compiles in the foreground instead (compile_in_foreground), or None.
+    foreground_reason: Optional[str] = None
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -95,6 +97,11 @@ class AppliedPolicy:
         """
         if self.uses_cuda_graphs and not self.interceptors.replaces_compiled:
             torch.compiler.cudagraph_mark_step_begin()
+
+    def compile_in_foreground(self, reason: str) -> None:
+        """A background policy's regions compile at their first call, as without ``background``; the plan
+        table says so, with ``reason``."""
+        self.foreground_reason = reason
 
     def shared_counts(self) -> Dict[str, int]:
         """How many regions share each compiled entry (and so one compiled graph)."""
@@ -380,7 +387,9 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     lines = [header, *text_table(titles, [[str(row[c]) for c in columns] for row in rows])]
     groups = applied.shared_counts()
     lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
-    if applied.policy.background:
+    if applied.policy.background and applied.foreground_reason is not None:
+        lines.append(f"background: true, compiled in the foreground: {applied.foreground_reason}")
+    elif applied.policy.background:
         lines.append("compiled on a background thread while the first steps run eagerly (background: true)")
     lines += [f"note: {note}" for note in applied.notes]
     return "\n".join(lines)

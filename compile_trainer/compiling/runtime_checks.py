@@ -73,18 +73,8 @@ COMPILER_COLLECTIVES_NEED_ACCELERATOR = (
 )
 
 
-BACKGROUND_NOT_DISTRIBUTED = (
-    "background: true is not supported in distributed training: while the background thread compiles, "
-    "torch.compiler.is_compiling() is true for the whole process (torch keeps one flag), so collectives the "
-    "training step runs meanwhile refuse to run (self.all_gather: 'torch.distributed.nn.functional.all_gather is "
-    "not supported under torch.compile', seen under DDP on 2 CPU processes, torch 2.13); use regional or full"
-)
-
-
 def check_distributed_runtime(policy: CompilePolicy) -> None:
     """Checks that need the installed torch, run when training is distributed."""
-    if policy.enabled and policy.background:
-        raise PolicyError(f"compile policy {policy.name!r}: {BACKGROUND_NOT_DISTRIBUTED}.")
     if policy.enabled and policy.distributed.consistent_dynamic_shapes:
         import torch
 

@@ -9,9 +9,16 @@ The compilers change process-wide state while they work, as if nothing else ran 
   pattern-matching rules so, for one). A module called on another thread meanwhile goes through the tracer:
   "module is not installed as a submodule" killed a training step beside a background compile of GPT-2 small
   on an H100.
+- Dynamo holds ``torch.compiler.is_compiling()``'s flag true for a whole compile (torch 2.13), for every thread:
+  eager code on the training thread then takes its compiled-code branches meanwhile. Collectives refuse to run
+  (``self.all_gather(..., sync_grads=True)`` under DDP: "torch.distributed.nn.functional.all_gather is not
+  supported under torch.compile"), and ``torch.optim`` takes its compiled-code paths.
 
-Inside ``guarded_thread()`` both are confined to the thread: its random-number restores do nothing (a thread
-that compiles without running has drawn nothing to undo) and FX's method patches made on it apply to it alone.
+Inside ``guarded_thread()`` all three are confined to the thread: its random-number restores do nothing (a thread
+that compiles without running has drawn nothing to undo), FX's method patches made on it apply to it alone, and
+its compiles leave the compiling flag alone. The code Dynamo traces on it is unchanged (Dynamo folds the
+``is_compiling()`` calls it traces to True without reading the flag); code that the compilers run outside the
+trace on that thread (a tensor subclass's dispatch under AOTAutograd) sees False, as on torch before 2.13.
 While any guarded thread runs, the functions involved are replaced with thread-aware ones that let every other
 thread through to the originals; the originals come back when the last guarded thread leaves.
 """
@@ -60,6 +67,16 @@ def _method_patches_confined_to_guarded_threads(patch_method: Callable[..., Any]
     return confined_patch_method
 
 
+def _compiling_flag_left_alone_on_guarded_threads(session: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(session)
+    def session_unless_guarded(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() not in _guarded:
+            return session(*args, **kwargs)
+        return contextlib.nullcontext()
+
+    return session_unless_guarded
+
+
 # (owner, attribute) -> how to make the thread-aware replacement of the original
 REPLACEMENTS: Dict[Tuple[Any, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     (torch.random, "set_rng_state"): _skipped_on_guarded_threads,
@@ -67,6 +84,8 @@ REPLACEMENTS: Dict[Tuple[Any, str], Callable[[Callable[..., Any]], Callable[...,
     (random, "setstate"): _skipped_on_guarded_threads,
     (compat.fx_patcher(), "patch_method"): _method_patches_confined_to_guarded_threads,
 }
+if compat.compile_session_owner() is not None:
+    REPLACEMENTS[compat.compile_session_owner()] = _compiling_flag_left_alone_on_guarded_threads
 
 
 @contextlib.contextmanager

@@ -21,7 +21,13 @@ from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.lightning.batch_hooks import ShapeHooks
 from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
-from compile_trainer.lightning.strategies import FSDP2_RECIPE, strategy_kind, where_compiled
+from compile_trainer.lightning.strategies import (
+    BACKGROUND_IN_FOREGROUND_UNDER_FSDP2,
+    FSDP2_RECIPE,
+    compiles_in_background,
+    strategy_kind,
+    where_compiled,
+)
 from compile_trainer.optimizer import (
     CompiledOptimizerStep,
     OptimizerChoice,
@@ -91,7 +97,10 @@ class CompileCallback(pl.Callback):
             self.cache.load(pl_module, self.policy, pl_module.device)
         self.applied = self._adopt_applied(pl_module) or apply_policy(pl_module, self.policy, device=pl_module.device)
         if self.policy.background and self.policy.enabled:
-            self.background = BackgroundCompile(self.applied)
+            if compiles_in_background(self.strategy):
+                self.background = BackgroundCompile(self.applied)
+            else:
+                self.applied.compile_in_foreground(BACKGROUND_IN_FOREGROUND_UNDER_FSDP2)
         if self.telemetry is not None:
             self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:

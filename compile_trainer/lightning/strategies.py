@@ -9,7 +9,8 @@
 - ``ModelParallelStrategy`` (FSDP2): the blocks must be compiled before ``fully_shard`` wraps them (torchtitan's
   order: activation checkpointing, compile each block, ``fully_shard`` each block, then the root), which
   happens in the user's ``configure_model``, a hook a callback cannot reach into: call
-  ``compile_trainer.apply_policy(self, policy)`` there before sharding; the callback adopts that policy.
+  ``compile_trainer.apply_policy(self, policy)`` there before sharding; the callback adopts that policy. A
+  background policy compiles in the foreground there (``BACKGROUND_IN_FOREGROUND_UNDER_FSDP2``).
 - anything else (``FSDPStrategy``, DeepSpeed, XLA...) is refused before training, naming those that work.
 """
 
@@ -49,6 +50,20 @@ def strategy_kind(strategy: Any) -> str:
             "the compiled blocks instead)"
         )
     raise PolicyError(f"CompileCallback does not support {name}{why}; supported: {SUPPORTED}")
+
+
+BACKGROUND_IN_FOREGROUND_UNDER_FSDP2 = (
+    "under FSDP2 each region compiles at its first call on the training thread, as with background: false: the "
+    "compile thread calls a copy of each region, and an FSDP2 block can neither be copied (fully_shard's class "
+    "re-runs __init__ in __new__; seen, torch 2.13) nor run its forward hooks off the training thread (the "
+    "all-gather and reshard of its parameters, collectives every rank runs in step)"
+)
+
+
+def compiles_in_background(kind: str) -> bool:
+    """Whether a background policy compiles on a thread under strategy ``kind`` (``strategy_kind``): under one
+    process and DDP, yes; under FSDP2 in the foreground (``BACKGROUND_IN_FOREGROUND_UNDER_FSDP2``)."""
+    return kind != "fsdp2"
 
 
 def where_compiled(kind: str) -> str:
