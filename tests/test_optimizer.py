@@ -683,13 +683,27 @@ def test_benchmark_smoke_runs_without_config_packages(tmp_path):
     rows = {row["variant"]: row for row in data["rows"]}
     expected = {"foreach", "fused", "fused + clip", "torch.compile(opt.step)", "torch.compile(opt.step) + clip"}
     expected |= {"compile_trainer", "compile_trainer + clip", "compile_trainer auto + clip", "copy floor"}
-    expected |= {"compile_trainer + clip, gradients already in the buffer"}
+    expected |= {"compile_trainer + clip, gradients already in the buffer", "eager for-loop", "eager for-loop + clip"}
+    in_training = ["fused", "fused + clip", "compile_trainer", "compile_trainer + clip"]
+    expected |= {f"{road} (in training)" for road in ["backward alone", *in_training]}
     assert set(rows) == expected and data["benchmark"] == "optimizer"
     assert not any(row.get("error") for row in rows.values()), [row.get("error") for row in rows.values()]
     for name in [name for name in rows if name.startswith("compile_trainer") and "auto" not in name]:
         ours = rows[name]
         assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["compiled_steps"] == 19
-        assert ours["max_rel_diff_at_100"] < 1e-5 and ours["max_abs_diff"] < 1e-5, "same as fused (with clipping)"
-        assert ours["step_ms"] > 0 and ours["vs_fused"] > 0
-    assert rows["fused + clip"]["max_abs_diff"] == 0.0, "the clipped rows' reference"
+        assert ours["max_rel_diff_at_100"] < 1e-6 and ours["max_abs_diff"] < 1e-6, "as the for-loop AdamW"
+        assert ours["step_ms"] > 0 and ours["vs_fused"] > 0 and ours["ratio"] == pytest.approx(1 / ours["vs_fused"])
+    assert rows["eager for-loop + clip"]["max_abs_diff"] == 0.0, "the clipped rows' parity reference"
+    assert rows["compile_trainer + clip"]["norm_sources"] == {
+        "step: gradients set by hand or changed after backward": 19
+    }
+    backward = rows["backward alone (in training)"]["backward_step_ms"]
+    for road in in_training:
+        row, reference = (
+            rows[f"{road} (in training)"],
+            rows[f"{'fused + clip' if 'clip' in road else 'fused'} (in training)"],
+        )
+        assert row["step_ms"] == pytest.approx(row["backward_step_ms"] - backward), "backward + step, less backward"
+        assert row["ratio_total"] == pytest.approx(row["backward_step_ms"] / reference["backward_step_ms"])
+    assert rows["compile_trainer + clip (in training)"]["norm_sources"] == {"hooks": 19}, "taken as gradients land"
     assert rows["compile_trainer auto + clip"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}
