@@ -14,16 +14,32 @@ CPU smoke run (tiny model, aot_eager backend), as CI runs it:
 
 Every variant starts from the same parameters, gradients and optimizer state, with fresh Inductor caches, and
 runs the same warm-up + cosine LR schedule (stepped after every optimizer step, outside the timed region).
-Before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after a backward that
-followed ``zero_grad(set_to_none=True)``: a step that gathers gradients into flat buffers pays that copy in
-its time.
-Columns: median step time (CUDA events around ``step()``) and effective bandwidth (7 x parameter bytes: read
-param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time in
-kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time: bandwidth-bound);
-wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and graph breaks over
-all steps; the largest parameter difference from fused (clipped rows: from fused + ``clip_grad_norm_``), relative
-to the tensor's largest value after 100 steps and absolute at the end. The ``copy floor`` row is a device copy
-of the parameter bytes, scaled to AdamW's 7 passes.
+Two ways of giving the step its gradients:
+
+- the step alone: before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after
+  a backward that followed ``zero_grad(set_to_none=True)``; a step that gathers gradients into flat buffers pays
+  that copy in its time (and, clipping by norm, takes the gradients' norms itself: no hook saw them land);
+- in training (rows ``... (in training)``): a real backward through a cheap graph, the same for every road, gives
+  each parameter a new gradient tensor with the same values; backward + step is timed, so the gradient hooks'
+  work (this project's copy into the flat buffer and, clipping by norm, each gradient's norm) is inside it; the
+  backward alone (no optimizer, no hooks) is timed once and subtracted to give each road's step time. This
+  backward issues a few small kernels per parameter; where it is launch-bound (``host_ms`` near
+  ``backward_step_ms``), the hooks' launches count in full here, where a model's backward would hide them
+  behind its own kernels.
+
+Columns: ``step_ms``, the median step time (CUDA events around ``step()``; in training, backward + step less the
+backward alone); ``backward_step_ms``, in training, the median of backward + step; ``ratio`` and ``ratio_total``:
+this road's step time, and its backward + step time, over its reference's (fused, or fused + ``clip_grad_norm_``
+for the rows that clip; in training, the reference's in-training row): the goal's measures (at most 1 without
+clipping, at most 0.65 with); ``vs_fused``, the inverse of ``ratio``; effective bandwidth (7 x parameter bytes:
+read param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time
+in kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time:
+bandwidth-bound); wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and
+graph breaks over all steps; the largest parameter difference from torch's for-loop AdamW (``foreach=False``,
+the implementation the compiled update follows op for op; clipped rows: for-loop AdamW after a for-loop
+``clip_grad_norm_``), relative to the tensor's largest value after 100 steps and absolute at the end. The
+``copy floor`` row is a device copy of the parameter bytes, scaled to AdamW's 7 passes. Our rows also record
+``norm_sources``: how many steps took the clipping norms from the gradient hooks, and why the others did not.
 """
 
 from __future__ import annotations
