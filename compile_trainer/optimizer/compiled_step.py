@@ -248,14 +248,12 @@ class CompiledOptimizerStep:
         """Why the hooks' norms cannot be used this step, or None. Under DDP the hooks run before the reducer
         averages the gradients; a GradScaler unscales them after backward without bumping their version: the hooks
         stop taking norms from then on."""
-        if self._scaler_calling or _distributed():
+        after_hooks = "a GradScaler unscales the gradients after backward" if self._scaler_calling else None
+        after_hooks = after_hooks or (_distributed() and "distributed: gradients are averaged after the hooks")
+        if after_hooks:
             self._hooks_see_final_grads = False
             self._update_norms_in_hooks()
-            return (
-                "a GradScaler unscales the gradients after backward"
-                if self._scaler_calling
-                else ("distributed: gradients are averaged after the hooks")
-            )
+            return after_hooks
         if not self.layout.norms_in_hooks:
             return "the hooks take no norms"
         if not all(segment.hook_norms_current() for segment in self.layout.segments):
