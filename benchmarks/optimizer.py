@@ -14,16 +14,32 @@ CPU smoke run (tiny model, aot_eager backend), as CI runs it:
 
 Every variant starts from the same parameters, gradients and optimizer state, with fresh Inductor caches, and
 runs the same warm-up + cosine LR schedule (stepped after every optimizer step, outside the timed region).
-Before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after a backward that
-followed ``zero_grad(set_to_none=True)``: a step that gathers gradients into flat buffers pays that copy in
-its time.
-Columns: median step time (CUDA events around ``step()``) and effective bandwidth (7 x parameter bytes: read
-param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time in
-kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time: bandwidth-bound);
-wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and graph breaks over
-all steps; the largest parameter difference from fused (clipped rows: from fused + ``clip_grad_norm_``), relative
-to the tensor's largest value after 100 steps and absolute at the end. The ``copy floor`` row is a device copy
-of the parameter bytes, scaled to AdamW's 7 passes.
+Two ways of giving the step its gradients:
+
+- the step alone: before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after
+  a backward that followed ``zero_grad(set_to_none=True)``; a step that gathers gradients into flat buffers pays
+  that copy in its time (and, clipping by norm, takes the gradients' norms itself: no hook saw them land);
+- in training (rows ``... (in training)``): a real backward through a cheap graph, the same for every road, gives
+  each parameter a new gradient tensor with the same values; backward + step is timed, so the gradient hooks'
+  work (this project's copy into the flat buffer and, clipping by norm, each gradient's norm) is inside it; the
+  backward alone (no optimizer, no hooks) is timed once and subtracted to give each road's step time. This
+  backward issues a few small kernels per parameter; where it is launch-bound (``host_ms`` near
+  ``backward_step_ms``), the hooks' launches count in full here, where a model's backward would hide them
+  behind its own kernels.
+
+Columns: ``step_ms``, the median step time (CUDA events around ``step()``; in training, backward + step less the
+backward alone); ``backward_step_ms``, in training, the median of backward + step; ``ratio`` and ``ratio_total``:
+this road's step time, and its backward + step time, over its reference's (fused, or fused + ``clip_grad_norm_``
+for the rows that clip; in training, the reference's in-training row): the goal's measures (at most 1 without
+clipping, at most 0.65 with); ``vs_fused``, the inverse of ``ratio``; effective bandwidth (7 x parameter bytes:
+read param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time
+in kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time:
+bandwidth-bound); wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and
+graph breaks over all steps; the largest parameter difference from torch's for-loop AdamW (``foreach=False``,
+the implementation the compiled update follows op for op; clipped rows: for-loop AdamW after a for-loop
+``clip_grad_norm_``), relative to the tensor's largest value after 100 steps and absolute at the end. The
+``copy floor`` row is a device copy of the parameter bytes, scaled to AdamW's 7 passes. Our rows also record
+``norm_sources``: how many steps took the clipping norms from the gradient hooks, and why the others did not.
 """
 
 from __future__ import annotations
@@ -68,7 +84,12 @@ POLICIES = {
 # The step alone, as in training, where the hooks gather gradients into the flat buffer during backward: the
 # gradients are set once, so no step after the first copies them (the other rows pay that copy in the step).
 GATHERED_IN_BACKWARD = ("compile_trainer + clip, gradients already in the buffer",)
+# torch's single-tensor AdamW (+ clip_grad_norm_ over the same for-loop): the implementation the compiled update
+# follows op for op, and every variant's parity reference (fused is another rounding of the same update).
+EAGER = "eager for-loop"
 VARIANTS = (
+    EAGER,
+    EAGER + CLIPPED,
     "foreach",
     "fused",
     "fused + clip",
@@ -77,6 +98,12 @@ VARIANTS = (
     *POLICIES,
 )
 GPU_ONLY = ("compile_trainer reduce-overhead + clip",)
+# The step as training sees it: gradients from a real backward (the same cheap graph for every road), timed as
+# backward + step; the backward alone is timed once, without optimizer hooks, and subtracted.
+IN_TRAINING = " (in training)"
+BACKWARD_ALONE = "backward alone" + IN_TRAINING
+TRAINING_ROADS = ("fused", "fused + clip", "compile_trainer", "compile_trainer + clip")
+TRAINING_VARIANTS = (BACKWARD_ALONE, *(road + IN_TRAINING for road in TRAINING_ROADS))
 # The recipe trained end to end (benchmarks/train_step.py variants), on the GPU only.
 END_TO_END = {
     "GPT-2 small training, foreach + gradient_clip_val=1.0": "lightning_regional_clip_foreach",
@@ -85,6 +112,9 @@ END_TO_END = {
 COLUMNS = [
     "variant",
     "step_ms",
+    "backward_step_ms",
+    "ratio",
+    "ratio_total",
     "gb_per_s",
     "vs_fused",
     "host_ms",
@@ -118,8 +148,13 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def reference_for(variant: str) -> str:
-    """The variant whose parameters and step time this one is compared with: fused, with the same clipping."""
-    return "fused + clip" if CLIPPED in variant else "fused"
+    """The variant whose step time this one is compared with: fused with the same clipping (in training too)."""
+    return ("fused + clip" if CLIPPED in variant else "fused") + (IN_TRAINING if IN_TRAINING in variant else "")
+
+
+def parity_reference_for(variant: str) -> str:
+    """The variant whose parameters this one is compared with: torch's for-loop AdamW with the same clipping."""
+    return EAGER + CLIPPED if CLIPPED in variant else EAGER
 
 
 def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.device, backend: str, steps: int):
@@ -129,13 +164,15 @@ def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.devic
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     on_gpu = device.type != "cpu"
+    variant = variant.removesuffix(IN_TRAINING)
     clip = CLIPPED in variant and variant not in POLICIES
     if variant.startswith("torch.compile"):
         # The documented recipe: tensor LR (needs capturable with foreach, which is GPU-only).
         lr = torch.tensor(LR, device=device if on_gpu else "cpu")
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=BETAS, foreach=on_gpu, capturable=on_gpu)
     else:
-        flags = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(variant.removesuffix(CLIPPED), {})
+        flags = {"foreach": {"foreach": True}, "fused": {"fused": True}, EAGER: {"foreach": False}}
+        flags = flags.get(variant.removesuffix(CLIPPED), {})
         optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, **flags)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, max(1, steps // 10), steps))
     if variant in POLICIES:
@@ -143,7 +180,7 @@ def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.devic
 
     def step() -> None:
         if clip:
-            torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+            torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=False if variant.startswith(EAGER) else None)
         optimizer.step()
 
     if variant.startswith("torch.compile"):
@@ -163,6 +200,17 @@ def set_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     """Each parameter's own gradient tensor, as a backward after ``zero_grad(set_to_none=True)`` leaves it."""
     for param, grad in zip(params, grads):
         param.grad = grad
+
+
+def training_loss(params: List[torch.Tensor], grads: List[torch.Tensor]) -> torch.Tensor:
+    """A cheap graph whose backward gives each parameter a new gradient tensor holding ``grads``' values (as a
+    model's backward after ``zero_grad(set_to_none=True)``), running every optimizer's gradient hooks."""
+    return torch.stack([(param * grad).sum() for param, grad in zip(params, grads)]).sum()
+
+
+def no_optimizer(params: List[torch.Tensor]) -> Tuple[None, None, Callable[[], None]]:
+    """The backward-alone row's stand-in: no optimizer, no hooks, a step that does nothing."""
+    return None, None, lambda: None
 
 
 def profile_kernels(step: Callable[[], Any], scheduler: Any, before: Callable[[], None], steps: int = 20):
@@ -200,24 +248,34 @@ def run_variant(
     seen_metrics = {id(m) for m in get_compilation_metrics()}
     breaks_before = sum(counters["graph_break"].values())
     row: Dict[str, Any] = {"variant": variant}
+    training = IN_TRAINING in variant
     with fresh_compile_caches():
-        optimizer, scheduler, step = make_optimizer(variant, params, device, args.backend, args.steps)
-        compiled_step = optimizer.__dict__.get("step")
-        warmup = warmup_steps(optimizer)
+        if variant == BACKWARD_ALONE:
+            optimizer, scheduler, step = no_optimizer(params)
+        else:
+            optimizer, scheduler, step = make_optimizer(variant, params, device, args.backend, args.steps)
+        compiled_step = optimizer.__dict__.get("step") if optimizer else None
+        warmup = warmup_steps(optimizer) if optimizer else 2
         timer, host_ms, snapshots = StepTimer(device), [], []
         for index in range(args.steps):
             if index == min(PARITY_STEP, args.steps - 1):
                 snapshots.append([p.detach().clone() for p in params])
-            if index == 0 or variant not in GATHERED_IN_BACKWARD:
+            if training:
+                set_grads(params, [None] * len(params))
+                loss = training_loss(params, grads)
+            elif index == 0 or variant not in GATHERED_IN_BACKWARD:
                 set_grads(params, grads)
             started = timer.start()
             host_start = time.perf_counter()
+            if training:
+                loss.backward()  # the hooks (gradient copy, norm) are timed with the step they serve
             step()
             host_ms.append(1000 * (time.perf_counter() - host_start))
             timer.stop(started)
-            scheduler.step()
+            if scheduler is not None:
+                scheduler.step()
         step_ms = [1000 * s for s in timer.seconds()]
-        if device.type == "cuda":
+        if device.type == "cuda" and not training:
             try:
                 gather = variant not in GATHERED_IN_BACKWARD
                 row.update(profile_kernels(step, scheduler, lambda: gather and set_grads(params, grads)))
@@ -225,9 +283,11 @@ def run_variant(
                 row["profile_error"] = repr(error)
     compiles = [m for m in get_compilation_metrics() if id(m) not in seen_metrics]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    row["step_ms"] = statistics.median(step_ms[warmup:] or step_ms)
-    row["step_ms_mean"] = statistics.fmean(step_ms[warmup:] or step_ms)
-    row["gb_per_s"] = PASSES * param_bytes / (row["step_ms"] / 1000) / 1e9
+    timed = "backward_step_ms" if training else "step_ms"  # in training, the step's share comes in with_ratios
+    row[timed] = statistics.median(step_ms[warmup:] or step_ms)
+    row[f"{timed}_mean"] = statistics.fmean(step_ms[warmup:] or step_ms)
+    if not training:
+        row["gb_per_s"] = PASSES * param_bytes / (row["step_ms"] / 1000) / 1e9
     row["host_ms"] = statistics.median(host_ms[warmup:] or host_ms)
     row["first_steps_s"] = sum(step_ms[:warmup]) / 1000
     row["compile_s"] = sum(frame_compile_seconds(m) for m in compiles)
@@ -241,6 +301,7 @@ def run_variant(
         row["compile_kwargs"] = {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None}
         row["compiled_steps"], row["eager_steps"] = compiled_step.compiled_steps, compiled_step.eager_steps
         row["auto_choice"] = asdict(compiled_step.choice) if compiled_step.choice else None
+        row["norm_sources"] = dict(compiled_step.norm_sources)
     return row, [*snapshots, [p.detach() for p in params]]
 
 
@@ -281,6 +342,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="scheduled steps per variant (default 1000; smoke 20)")
     parser.add_argument("--backend", help="torch.compile backend (default inductor; smoke aot_eager)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
+    parser.add_argument("--no-training-rows", action="store_true", help="skip the in-training rows")
     parser.add_argument(
         "--end-to-end", action=argparse.BooleanOptionalAction, help="also train GPT-2 small (default: on a GPU)"
     )
@@ -289,6 +351,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args.steps = args.steps or (20 if args.smoke else 1000)
     args.backend = args.backend or ("aot_eager" if args.smoke else "inductor")
     args.variants = args.variants or [v for v in VARIANTS if args.device.type == "cuda" or v not in GPU_ONLY]
+    args.variants += [] if args.no_training_rows else list(TRAINING_VARIANTS)
     args.end_to_end = args.device.type == "cuda" if args.end_to_end is None else args.end_to_end
     return args
 
@@ -319,10 +382,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             rows.append({"variant": variant, "error": traceback.format_exc().strip().splitlines()[-1][:300]})
             traceback.print_exc()
         else:
-            if variant == reference_for(variant):
+            if variant == parity_reference_for(variant):
                 references[variant] = snapshots
-            if reference_for(variant) in references:
-                row.update(parameter_differences(snapshots, references[reference_for(variant)]))
+            if parity_reference_for(variant) in references and variant != BACKWARD_ALONE:
+                row.update(parameter_differences(snapshots, references[parity_reference_for(variant)]))
             rows.append(row)
             del snapshots
         print(f"{variant}: {time.perf_counter() - started:.1f} s, {rows[-1]}", flush=True)
@@ -349,13 +412,26 @@ def parameter_differences(snapshots: List[List[torch.Tensor]], reference: List[L
 
 
 def with_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """``vs_fused``: the reference's step time over this one's (above 1: faster than fused, with equal clipping)."""
-    times = {row["variant"]: row["step_ms"] for row in rows if "step_ms" in row}
+    """In training, each road's step time: its backward + step less the backward alone. ``ratio`` (step) and
+    ``ratio_total`` (backward + step): this road's time over its reference's (fused, or fused + clip, measured the
+    same way), the goal's measure; ``vs_fused``: the reference's step time over this one's."""
+    backward = next((row["backward_step_ms"] for row in rows if row["variant"] == BACKWARD_ALONE), None)
+    rows = [
+        row | {"step_ms": row["backward_step_ms"] - backward}
+        if backward is not None and "backward_step_ms" in row and row["variant"] != BACKWARD_ALONE
+        else row
+        for row in rows
+    ]
+    by_name = {row["variant"]: row for row in rows}
     result = []
     for row in rows:
-        reference = times.get(reference_for(row["variant"]))
-        ratio = reference / row["step_ms"] if reference and "step_ms" in row and "tokens_per_s" not in row else None
-        result.append(row | {"vs_fused": ratio} if ratio else row)
+        reference = by_name.get(reference_for(row["variant"]), {}) if row["variant"] != BACKWARD_ALONE else {}
+        ratios = {}
+        if "tokens_per_s" not in row and row.get("step_ms") and reference.get("step_ms"):
+            ratios = {"ratio": row["step_ms"] / reference["step_ms"], "vs_fused": reference["step_ms"] / row["step_ms"]}
+        if row.get("backward_step_ms") and reference.get("backward_step_ms"):
+            ratios["ratio_total"] = row["backward_step_ms"] / reference["backward_step_ms"]
+        result.append(row | ratios)
     return result
 
 

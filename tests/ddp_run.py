@@ -2,6 +2,7 @@
 (gloo). Writes rank 0's results as JSON: per-step global losses, the final weights, checkpoint keys, the summary.
 
     python tests/ddp_run.py OUT.json --policy regional --devices 2 --batch 2 [--backend eager] [--optimizer true]
+        [--clip 0.05]
 
 Every global batch holds samples of one length (lengths change between steps), and a rank's samples are its share
 of the global batch (Lightning's DistributedSampler, no shuffle): N ranks of ``batch`` equal 1 process of
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--optimizer", default="false", help="the policy's optimizer.compile")
+    parser.add_argument("--clip", type=float, help="the Trainer's gradient_clip_val (by norm)")
     parser.add_argument("--consistent-dynamic-shapes", action="store_true")
     parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
     parser.add_argument("--cache", help="a compile cache directory (read-write)")
@@ -160,7 +162,7 @@ def main() -> None:
     trainer = pl.Trainer(
         max_steps=args.steps, logger=False, callbacks=[callback], accelerator="cpu", devices=args.devices,
         strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0,
+        limit_val_batches=0, gradient_clip_val=args.clip,
     )  # fmt: skip
     trainer.fit(module)
     checkpoint = Path(args.out).with_suffix(".ckpt")
@@ -189,6 +191,7 @@ def main() -> None:
         "plan": callback.applied.rows() if callback.applied is not None else [],
         "world_size": trainer.world_size,
         "gathered_while_compiling": module.gathered_while_compiling,
+        "norm_sources": [step.norm_sources for step in callback.optimizer_steps],
     }
     Path(args.out).write_text(json.dumps(result, default=str))
 

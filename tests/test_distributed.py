@@ -58,7 +58,7 @@ POLICIES = [
     ("full", ["--backend", "aot_eager"]),
     ("dynamic", ["--backend", "eager"]),
     ("buckets", ["--backend", "eager"]),
-    ("regional", ["--backend", "aot_eager", "--optimizer", "true"]),
+    ("regional", ["--backend", "aot_eager", "--optimizer", "true", "--clip", "0.05"]),
     # the other bundled policies (on the CPU, the CUDA-graph and autotuning modes are the default mode)
     ("regional_split", ["--backend", "eager"]),
     ("regional_nested", ["--backend", "aot_eager"]),
@@ -90,8 +90,12 @@ def test_ddp_trains_like_one_process(tmp_path, policy, args):
     assert not [k for k in ddp["state_dict_keys"] if "_orig_mod" in k]
     assert ddp["optimizer_keys"] and not [k for k in ddp["optimizer_keys"] if "_orig_mod" in k]
     if "--optimizer" in args:
-        # the compiled step chosen and installed, its gradients those DDP's reducer averaged (same weights above)
+        # the compiled step chosen and installed, its gradients those DDP's reducer averaged (same weights above),
         assert "optimizer AdamW: compiled" in ddp["output"]
+        # clipping by norm inside it: the hooks' norms on one process; under DDP the hooks run before the reducer
+        # averages the gradients, so the step takes the norms of the averaged ones (the same weights above)
+        assert single["norm_sources"] == [{"hooks": 3}]
+        assert ddp["norm_sources"] == [{"step: distributed: gradients are averaged after the hooks": 3}]
     if policy == "buckets":
         assert ddp["summary"]["buckets"] == [8, 16] and ddp["summary"]["padding_overhead"] > 0  # 12 padded to 16
     if "--compiled-from" in args:

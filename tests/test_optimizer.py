@@ -183,6 +183,92 @@ def test_clipping_in_the_step_matches_eager_clip_then_step(name, clipping):
         assert max(norms) > limit, "clipping was active"
 
 
+def for_loop_adamw(model: nn.Module) -> torch.optim.AdamW:
+    """torch's single-tensor AdamW, the implementation the compiled update follows op for op."""
+    return torch.optim.AdamW(groups_of(model), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
+
+
+def max_relative_difference(a: nn.Module, b: nn.Module) -> float:
+    """The largest parameter difference, relative to each tensor's largest value (the benchmark's measure)."""
+    return max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize(
+    "backend,max_norm",
+    [("aot_eager", None), ("aot_eager", 0.05), ("inductor", 0.05)],
+    ids=["aot", "aot-clip", "ind-clip"],
+)
+def test_100_steps_within_1e_6_of_for_loop_adamw(backend, max_norm):
+    """Parity with eager: warm-up + cosine over 100 steps, gradients from backward, clipping by norm taken from
+    the gradient hooks' norms (clip_grad_norm_ over the param groups' parameters, in their order, for eager)."""
+    steps, schedule = 100, warmup_cosine(10, 100)
+    eager = tiny_model()
+    optimizer = for_loop_adamw(eager)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    clip = None if max_norm is None else lambda _: clip_grad_norm_(params, max_norm)
+    norms = train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), steps, clip=clip)
+
+    compiled = tiny_model()
+    optimizer = for_loop_adamw(compiled)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    step = compile_optimizer(optimizer, {"compile": "true", "clip_grad_norm": max_norm}, backend=backend)
+    train(compiled, optimizer, scheduler, steps)
+
+    assert max_relative_difference(compiled, eager) < 1e-6
+    assert step.compiled_steps == steps - 1
+    if max_norm is not None:
+        assert step.norm_sources == {"hooks": steps - 1} and max(norms) > max_norm > min(norms), "clipped at times"
+        assert torch.allclose(step.grad_norm, norms[-1], rtol=1e-6)
+
+
+def total_norm(params) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+
+
+def test_clipping_norms_from_hooks_follow_accumulation_and_are_retaken_when_gradients_change():
+    model = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    step = compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager", "clip_grad_norm": 1e-3})
+    params = list(model.parameters())
+    train(model, optimizer, None, 1)  # the state-creating eager step
+
+    def backward(scale: float = 1.0, zero: bool = True) -> None:
+        if zero:
+            optimizer.zero_grad()
+        (
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(int(scale * 10)))).pow(2).mean() * scale
+        ).backward()
+
+    backward()
+    backward(2.0, zero=False)  # accumulation: the hooks fire again, each on the accumulated gradient
+    expected = total_norm(params)
+    optimizer.step()
+    assert step.norm_sources == {"hooks": 1} and torch.allclose(step.grad_norm, expected, rtol=1e-6)
+
+    optimizer.step()  # no backward since the last step: the hooks measured nothing new
+    backward()
+    params[0].grad.mul_(3.0)  # changed after its hook (as clip_grad_norm_ or an in-place unscale would)
+    expected = total_norm(params)
+    optimizer.step()
+    for param in params:
+        param.grad = param.grad.clone() * 0.5  # set by hand: gathered at the step
+    expected_by_hand = total_norm(params)
+    optimizer.step()
+    reason = "step: gradients set by hand or changed after backward"
+    assert step.norm_sources == {"hooks": 1, reason: 3}
+    assert torch.allclose(step.grad_norm, expected_by_hand, rtol=1e-6) and not torch.allclose(
+        expected, expected_by_hand
+    )
+    backward()
+    expected = total_norm(params)
+    optimizer.step()
+    assert step.norm_sources["hooks"] == 2 and torch.allclose(step.grad_norm, expected, rtol=1e-6), "hooks again"
+    ids = CompileLog(step.entry_name)
+    backward()
+    optimizer.step()
+    assert ids.compile_ids() == [], "norms from the hooks or from the step: the same compiled graph"
+
+
 def test_parameters_and_state_are_views_of_flat_buffers_and_missing_gradients_fall_back():
     model = tiny_model()
     optimizer = OPTIMIZERS["AdamW"](groups_of(model))
@@ -310,25 +396,34 @@ def test_state_dict_resumes_both_ways_with_identical_updates(saved_by):
     assert_same_params(*resumed)
 
 
-def test_grad_scaler_unscales_and_skips_overflowing_steps_as_with_eager():
-    """The fp16 mixed-precision path: GradScaler.step(optimizer) without a closure."""
+@pytest.mark.parametrize("max_norm", [None, 0.05])
+def test_grad_scaler_unscales_and_skips_overflowing_steps_as_with_eager(max_norm):
+    """The fp16 mixed-precision path: GradScaler.step(optimizer) without a closure. The scaler unscales the
+    gradients in place after the hooks took their norms (without a version bump): the step takes them itself."""
     models, steps = [], []
     for compiled in (False, True):
         model = tiny_model()
         optimizer = OPTIMIZERS["AdamW"](groups_of(model))
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
         if compiled:
-            steps.append(compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager"}))
+            policy = {"compile": "true", "backend": "aot_eager", "clip_grad_norm": max_norm}
+            steps.append(compile_optimizer(optimizer, policy))
         for index in range(6):
             optimizer.zero_grad()
             inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(index))
             loss = model(inputs).pow(2).mean() * (math.inf if index == 3 else 1.0)
             scaler.scale(loss).backward()
+            if max_norm is not None and not compiled:
+                scaler.unscale_(optimizer)
+                clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], max_norm)
             scaler.step(optimizer)
             scaler.update()
         models.append(model)
     assert_same_params(*models)
     assert (steps[0].eager_steps, steps[0].compiled_steps) == (1, 4), "the overflowing step was skipped"
+    if max_norm is not None:
+        assert steps[0].norm_sources == {"step: a GradScaler unscales the gradients after backward": 4}
+        assert not steps[0].layout.norms_in_hooks, "and the hooks stop taking norms"
 
 
 def test_auto_times_candidates_keeps_the_fastest_and_updates_stay_equal():
@@ -588,13 +683,27 @@ def test_benchmark_smoke_runs_without_config_packages(tmp_path):
     rows = {row["variant"]: row for row in data["rows"]}
     expected = {"foreach", "fused", "fused + clip", "torch.compile(opt.step)", "torch.compile(opt.step) + clip"}
     expected |= {"compile_trainer", "compile_trainer + clip", "compile_trainer auto + clip", "copy floor"}
-    expected |= {"compile_trainer + clip, gradients already in the buffer"}
+    expected |= {"compile_trainer + clip, gradients already in the buffer", "eager for-loop", "eager for-loop + clip"}
+    in_training = ["fused", "fused + clip", "compile_trainer", "compile_trainer + clip"]
+    expected |= {f"{road} (in training)" for road in ["backward alone", *in_training]}
     assert set(rows) == expected and data["benchmark"] == "optimizer"
     assert not any(row.get("error") for row in rows.values()), [row.get("error") for row in rows.values()]
     for name in [name for name in rows if name.startswith("compile_trainer") and "auto" not in name]:
         ours = rows[name]
         assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["compiled_steps"] == 19
-        assert ours["max_rel_diff_at_100"] < 1e-5 and ours["max_abs_diff"] < 1e-5, "same as fused (with clipping)"
-        assert ours["step_ms"] > 0 and ours["vs_fused"] > 0
-    assert rows["fused + clip"]["max_abs_diff"] == 0.0, "the clipped rows' reference"
+        assert ours["max_rel_diff_at_100"] < 1e-6 and ours["max_abs_diff"] < 1e-6, "as the for-loop AdamW"
+        assert ours["step_ms"] > 0 and ours["vs_fused"] > 0 and ours["ratio"] == pytest.approx(1 / ours["vs_fused"])
+    assert rows["eager for-loop + clip"]["max_abs_diff"] == 0.0, "the clipped rows' parity reference"
+    assert rows["compile_trainer + clip"]["norm_sources"] == {
+        "step: gradients set by hand or changed after backward": 19
+    }
+    backward = rows["backward alone (in training)"]["backward_step_ms"]
+    for road in in_training:
+        row, reference = (
+            rows[f"{road} (in training)"],
+            rows[f"{'fused + clip' if 'clip' in road else 'fused'} (in training)"],
+        )
+        assert row["step_ms"] == pytest.approx(row["backward_step_ms"] - backward), "backward + step, less backward"
+        assert row["ratio_total"] == pytest.approx(row["backward_step_ms"] / reference["backward_step_ms"])
+    assert rows["compile_trainer + clip (in training)"]["norm_sources"] == {"hooks": 19}, "taken as gradients land"
     assert rows["compile_trainer auto + clip"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}
