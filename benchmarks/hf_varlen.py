@@ -113,7 +113,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     name, changes = variant_policy(variant)
     if name == "fixed_length":
         batches = packed(batches, args)
-    shaper, forward, policy = None, model, None
+    shaper, forward, policy, applied = None, model, None, None
     if name in ("plain", "fixed_length"):
         forward = torch.compile(model, backend=args.backend)
     else:
@@ -133,7 +133,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         RegionShapeInterceptors(applied, shaper)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
+    def begin_step() -> None:
+        if applied is not None:
+            applied.begin_step()  # as CompileCallback does before each batch: CUDA graphs' step marks
+
     def train_step(batch: Dict[str, torch.Tensor]) -> None:
+        begin_step()
         with autocast:
             loss = forward(**batch).loss
         loss.backward()
@@ -152,6 +157,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         # What CompileCallback's warm-up does: a forward and backward per bucket, before the first step (here
         # without the optimizer step, so that the weights stay as they were).
         for warm in shaper.warmup_batches({k: v.to(device) for k, v in batches[0].items()}):
+            begin_step()
             with autocast:
                 forward(**warm).loss.backward()
         optimizer.zero_grad(set_to_none=True)
@@ -159,6 +165,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         warmup_s = time.perf_counter() - started
     warmed = compiles() if shaper is not None and policy.shapes.warmup else None
     steady_tokens, steady_s, real, positions = 0, 0.0, 0, 0
+    step_ms, seen = [], set()  # (length the model saw, first time it saw it, ms) per step
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         real += int(batch["attention_mask"].sum())
@@ -168,12 +175,21 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         before, step_started = compiles(), time.perf_counter()
         train_step(batch)
         synchronize(device)
+        seconds = time.perf_counter() - step_started
+        length = int(batch["input_ids"].shape[1])
+        step_ms.append([length, length not in seen, round(seconds * 1e3, 2)])
+        seen.add(length)
         if compiles() == before:
             steady_tokens += int(batch["attention_mask"].sum())
-            steady_s += time.perf_counter() - step_started
+            steady_s += seconds
     total = time.perf_counter() - started
     if args.profile:
-        profile_steps(variant, batches[-args.profile :], shaper, train_step, device, args)
+        tail = batches[-args.profile :]
+        profile_steps(f"{variant} seen lengths", tail, shaper, train_step, device, args)
+        unseen = [
+            {k: v[:, : v.shape[1] - 1] for k, v in b.items()} for b in tail if b["input_ids"].shape[1] - 1 not in seen
+        ]
+        profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
     metrics = list(compat.compilation_metrics())
     recompiles = [m for m in metrics if is_recompile(m)]
     return {
@@ -192,12 +208,13 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in recompiles][:10],
         "steps": len(batches),
         "real_tokens": real,
+        "step_ms": step_ms,
     }
 
 
 def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
-    """Profile ``batches`` (lengths the stream has seen, so nothing compiles) and write where the time went:
-    the top ops by GPU time and by host time, and the kernels per step."""
+    """Profile ``batches`` and write where the time went: the top ops by GPU time and by host time, and the
+    kernels per step (``<out>_profile_<what>.txt``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -215,7 +232,8 @@ def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
         events.table(sort_by=device_sort, row_limit=25),
         events.table(sort_by="self_cpu_time_total", row_limit=25),
     ]
-    path = args.out.parent / f"{args.out.stem}_profile_{variant}.txt"
+    name = "".join(c if c.isalnum() else "_" for c in variant)  # a plain file name
+    path = args.out.parent / f"{args.out.stem}_profile_{name}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(text))
 
