@@ -187,7 +187,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         tail = batches[-args.profile :]
         profile_steps(f"{variant} seen lengths", tail, shaper, train_step, device, args)
         unseen = [
-            {k: v[:, : v.shape[1] - 1] for k, v in b.items()} for b in tail if b["input_ids"].shape[1] - 1 not in seen
+            {k: v[:, : v.shape[1] - 1].contiguous() for k, v in b.items()}
+            for b in tail
+            if b["input_ids"].shape[1] - 1 not in seen
         ]
         profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
     metrics = list(compat.compilation_metrics())
