@@ -43,7 +43,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import (  # noqa: E402
     environment,
     format_table,
-    frame_compile_seconds,
     is_recompile,
     synchronize,
     write_result,
@@ -54,6 +53,7 @@ from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import to_policy  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
+from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
 
 VARIANTS = ["plain", "dynamic", "buckets", "buckets_auto", "fixed_length"]
 FIXED_BUCKETS = [128, 256, 512, 1024]
@@ -93,13 +93,17 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 
 
 def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
-    """A policy variant's bundled policy and its overrides: ``dynamic@rest=outer@mode=reduce-overhead`` is the
-    bundled ``dynamic`` with every rule's ``rest`` and the policy's ``mode`` replaced (an experiment)."""
+    """A policy variant's bundled policy and its overrides (an experiment): ``dynamic@rest=outer@mode=reduce-overhead``
+    is the bundled ``dynamic`` with every rule's ``rest`` and the policy's ``mode`` replaced; ``@pad=64`` pads
+    lengths to multiples of 64 (ids 0, labels -100, the mask with ``@mask_pad``'s value, default 0: 1 keeps a causal
+    model's mask all ones, which changes nothing for the real tokens before the padding)."""
     name, *pairs = variant.split("@")
     overrides = dict(pair.split("=", 1) for pair in pairs)
-    unknown = set(overrides) - {"rest", "mode"}
+    unknown = set(overrides) - {"rest", "mode", "pad", "mask_pad"}
     if name not in VARIANTS or unknown:
-        raise argparse.ArgumentTypeError(f"variant {variant!r}: one of {VARIANTS}, then @rest=... or @mode=...")
+        raise argparse.ArgumentTypeError(
+            f"variant {variant!r}: one of {VARIANTS}, then @rest=..., @mode=..., @pad=N, @mask_pad=0|1"
+        )
     return name, overrides
 
 
@@ -124,6 +128,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             overrides["shapes"] = {"pad": {"max": args.max_length}}
         if "mode" in changes:
             overrides["mode"] = None if changes["mode"] == "null" else changes["mode"]
+        if "pad" in changes:
+            values = {"@tokens": 0, "@attention_mask": int(changes.get("mask_pad", 0)), "@labels": -100}
+            overrides["shapes"] = {"pad": {"dim": 1, "multiple_of": int(changes["pad"]), "values": values}}
         policy = to_policy(name, **overrides)
         if "rest" in changes:
             policy = to_policy(policy, rules=[dict(vars(rule), rest=changes["rest"]) for rule in policy.rules])
@@ -145,8 +152,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    telemetry = CompileTelemetry(applied).install()  # its callbacks see every compile, lazy backwards included
+
     def compiles() -> int:
-        return len(list(compat.compilation_metrics()))
+        return telemetry.compile_count
 
     synchronize(device)
     started = time.perf_counter()
@@ -192,19 +201,20 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             if b["input_ids"].shape[1] - 1 not in seen
         ]
         profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
+    telemetry.collect()
+    telemetry.uninstall()
     metrics = list(compat.compilation_metrics())
     recompiles = [m for m in metrics if is_recompile(m)]
     return {
         "variant": variant,
         "total_s": total,
-        "compile_s": sum(frame_compile_seconds(m) for m in metrics),
+        "compile_s": telemetry.compile_time_s,
         "warmup_s": warmup_s,
         "steady_real_tokens_per_s": steady_tokens / steady_s if steady_s else None,
         "graphs": compat.unique_graphs(),
         # after a warm-up every compile is one too many; else a frame's compiles after its first
-        "recompiles_after_warmup": len(metrics) - warmed
-        if warmed is not None
-        else sum(1 for m in metrics if is_recompile(m)),
+        "recompiles_after_warmup": compiles() - warmed if warmed is not None else telemetry.totals()["recompiles"],
+        "dynamo_metrics_recorded": len(metrics),
         "padding": positions / real - 1,
         "buckets": shaper.buckets if shaper is not None else None,
         "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in recompiles][:10],
