@@ -121,10 +121,54 @@ def ignored_logger_methods() -> set:
 
 def set_ignored_logger_methods(methods: set) -> set:
     """Logger methods Dynamo drops while tracing instead of breaking the graph (``ignore_logger_methods``, 2.6+;
-    an alias of ``ignore_logging_functions`` from 2.12); returns the previous set, to restore it with."""
+    an alias of ``ignore_logging_functions`` from 2.12); returns the previous set, to restore it with.
+
+    Torch up to 2.11 writes this set into every compile's metrics as JSON, and a function is not JSON: each compile
+    then logs "Unexpected exception logging compilation metrics" and its metrics are lost (seen on 2.11: no
+    recompile reasons, no compile times). There, each method goes in as a ``LoggerMethodName``, which Dynamo's
+    membership test still matches and JSON writes as its name; ``dynamo_config_loggable`` checks the result.
+    """
     previous = ignored_logger_methods()
     torch._dynamo.config.ignore_logger_methods = set(methods)
+    if not dynamo_config_loggable():
+        torch._dynamo.config.ignore_logger_methods = {LoggerMethodName.of(method) for method in methods}
     return previous
+
+
+class LoggerMethodName(str):
+    """A logger method in Dynamo's ignore set that equals (and hashes as) the method, and is JSON as its name."""
+
+    method: Callable[..., Any]
+
+    @classmethod
+    def of(cls, method: Callable[..., Any]) -> Any:
+        if isinstance(method, cls):
+            return method
+        name = cls(f"{getattr(method, '__module__', '')}.{getattr(method, '__qualname__', repr(method))}")
+        name.method = method
+        return name
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.method or (isinstance(other, LoggerMethodName) and other.method is self.method)
+
+    def __hash__(self) -> int:
+        return hash(self.method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method(*args, **kwargs)
+
+
+def dynamo_config_loggable() -> bool:
+    """Whether Dynamo can write its config into a compile's metrics (``_get_dynamo_config_for_logging``, checked
+    2.9.1-2.13); True where torch has no such function."""
+    config_for_logging = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
+    if config_for_logging is None:
+        return True
+    try:
+        config_for_logging()
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def list_backends() -> List[str]:
@@ -408,6 +452,7 @@ ENTRIES = [
     Entry("set_recompile_limit", lambda: set_recompile_limit(set_recompile_limit(3)) == 3),
     Entry("set_compiler_collectives", lambda: set_compiler_collectives(set_compiler_collectives(True)) is not None),
     Entry("set_ignored_logger_methods", lambda: set_ignored_logger_methods(set_ignored_logger_methods(set()))),
+    Entry("dynamo_config_loggable", dynamo_config_loggable),
     Entry("list_backends", lambda: {"inductor", "eager", "aot_eager"} <= set(list_backends())),
     Entry("lookup_backend", lambda: lookup_backend("eager")),
     Entry("inductor_backend", lambda: inductor_backend(None, None, None)),

@@ -66,3 +66,30 @@ def test_the_recompile_limit_a_policy_sets_is_restored_when_it_is_removed(tiny_g
     assert torch._dynamo.config.recompile_limit == before + 5
     applied.remove()
     assert torch._dynamo.config.recompile_limit == before
+
+
+def test_an_ignored_logger_method_by_name_is_json_and_still_ignored_by_dynamo():
+    """Torch up to 2.11 writes the ignore set into each compile's metrics as JSON (a function there loses every
+    compile's metrics); the name stand-in is JSON and Dynamo still drops the call without a graph break."""
+    import json
+    import logging
+
+    log = logging.getLogger("compile_trainer.test_compat")
+    name = compat.LoggerMethodName.of(logging.Logger.warning)
+    assert logging.Logger.warning in {name} and json.dumps(sorted({name})) == '["logging.Logger.warning"]'
+    with pytest.raises(TypeError):
+        json.dumps(sorted({logging.Logger.warning}))  # what torch <= 2.11 did with the function itself
+
+    def noisy(x):
+        log.warning("traced")
+        return x + 1
+
+    previous = torch._dynamo.config.ignore_logger_methods
+    torch._dynamo.config.ignore_logger_methods = {name}
+    try:
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(noisy, backend="eager", fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        torch._dynamo.config.ignore_logger_methods = previous
+        torch._dynamo.reset()
+    assert compat.dynamo_config_loggable()
