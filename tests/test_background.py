@@ -137,8 +137,10 @@ def test_background_with_bucket_warmup_or_nested_regions_is_refused_before_train
         to_policy("buckets", background=True)
     with pytest.raises(PolicyError, match="rest: nested"):
         to_policy("regional_nested", background=True)
-    with pytest.raises(PolicyError, match="rest: outer"):
+    with pytest.raises(PolicyError, match="rest: auto .*may resolve to outer"):
         to_policy("regional", background=True)
+    with pytest.raises(PolicyError, match="rest: outer"):
+        to_policy("regional", background=True, rules=[{"name": "*", "action": "regional", "rest": "outer"}])
 
 
 class WaitForBackground(pl.Callback):

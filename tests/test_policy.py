@@ -17,7 +17,7 @@ register_configs()
 def test_policy_from_name_dict_and_dataclass_with_overrides():
     by_name = to_policy("regional", backend="aot_eager")
     assert by_name.name == "regional" and by_name.backend == "aot_eager"
-    assert by_name.rules[0].action == "regional" and by_name.rules[0].rest == "outer"
+    assert by_name.rules[0].action == "regional" and by_name.rules[0].rest == "auto"
     by_dict = to_policy({"rules": [{"class_name": "Block", "action": "full", "mode": "max-autotune"}]})
     assert isinstance(by_dict.rules[0], Rule) and by_dict.rules[0].mode == "max-autotune"
     by_dataclass = to_policy(CompilePolicy(rules=[Rule(name="model")]), fullgraph=True)

@@ -167,7 +167,7 @@ class _NoRepeatedBlocks(Exception):
 
 def _expand_rule(
     index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan,
-    min_reuse: float,
+    policy: CompilePolicy,
 ) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
     """What one rule does to one matched module: ``(name, region or None for eager)`` items."""
     if rule.action == "eager":
@@ -185,6 +185,7 @@ def _expand_rule(
     structure = group_blocks(module, [_relative(b, name) for b in block_names])
     plan.notes.extend(structure.notes)
     reuse = len(block_names) / len(structure.groups)
+    min_reuse = policy.regional_min_reuse
     if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
         plan.notes.append(
             f"{name} ({type(module).__name__}): {len(block_names)} blocks in {len(structure.groups)} distinct "
@@ -193,9 +194,12 @@ def _expand_rule(
             "the blocks regionally"
         )
         return [(name, Region(name, module, settings, index, "full"))]
+    rest = rule.rest
+    if rest == "auto":
+        rest = _auto_rest(name, module, [modules[b] for b in block_names], policy.regional_outer_min_share, plan)
     items: List[Tuple[str, Optional[Region]]] = []
-    breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rule.rest == "outer" else None
-    if rule.rest == "outer" and breaks is None:
+    breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rest == "outer" else None
+    if rest == "outer" and breaks is None:
         plan.notes.append(
             f"{name} ({type(module).__name__}) loops over its blocks in its own forward, so it cannot be compiled "
             "around them: its other parts are compiled as their own regions (rest: compile)"
@@ -205,11 +209,45 @@ def _expand_rule(
         items += [(b, None) for b in breaks]
     for b in block_names:
         items.append((b, Region(b, modules[b], settings, index, "block", structure=structure.keys[_relative(b, name)])))
-    if rule.rest in ("compile", "outer"):
+    if rest in ("compile", "outer"):
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
         for root_name, root in roots:
             items += _rest_regions(root_name, root, [c for c, _ in groups], settings, index, plan)
     return items
+
+
+def _auto_rest(name: str, module: nn.Module, blocks: List[nn.Module], min_share: float, plan: CompilePlan) -> str:
+    """``rest: auto``: ``outer`` where enough of the module lives outside its blocks for the code around them
+    (embeddings, head, a loss on large logits) to be worth compiling whole, else ``compile``: the outer road
+    costs a prefix and a resume graph per Python frame down to the break, which only that code repays."""
+    share = _share_outside(module, blocks)
+    measured = (
+        f"{name} ({type(module).__name__}): {share:.1%} of its parameters and buffers outside its {len(blocks)} blocks"
+    )
+    knob = f"regional_outer_min_share {min_share * 100:g}%"
+    if share >= min_share:
+        plan.notes.append(
+            f"{measured} (>= {knob}): compiled whole around its blocks (rest: outer), so the code around them "
+            "(loss, head) is compiled too"
+        )
+        return "outer"
+    plan.notes.append(
+        f"{measured} (< {knob}): the rest compiled as its own regions (rest: compile); rest: outer compiles the "
+        "code around the blocks whole"
+    )
+    return "compile"
+
+
+def _share_outside(module: nn.Module, blocks: List[nn.Module]) -> float:
+    """The share of ``module``'s parameter and buffer elements that no block holds (0 for a stateless module)."""
+    total = _element_count([module])
+    return 1 - _element_count(blocks) / total if total else 0.0
+
+
+def _element_count(modules: List[nn.Module]) -> int:
+    """Elements of the parameters and buffers under ``modules``, each tensor once (tied weights count once)."""
+    tensors = {id(t): t for m in modules for t in [*m.parameters(), *m.buffers()]}
+    return sum(t.numel() for t in tensors.values())
 
 
 def _rest_regions(name: str, module: nn.Module, containers: List[str], settings, index: int, plan: CompilePlan):
@@ -247,7 +285,7 @@ def _has_state(module: nn.Module) -> bool:
 
 def _place_rest(plan: CompilePlan, index: int, rule: Rule, name: str, module: nn.Module, settings) -> None:
     """A module that a regional glob matched but that holds no repeated blocks is all 'rest'."""
-    if rule.rest in ("compile", "outer", "nested") and _has_state(module):
+    if rule.rest != "eager" and _has_state(module):
         _place(plan, index, name, Region(name, module, settings, index, "rest"))
         plan.notes.append(f"{name} has no repeated blocks: compiled whole as rest of rule {index}")
     else:
@@ -274,7 +312,7 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
         without_blocks = []
         for name, module in matched:
             try:
-                items = _expand_rule(index, rule, name, module, settings, plan, policy.regional_min_reuse)
+                items = _expand_rule(index, rule, name, module, settings, plan, policy)
             except _NoRepeatedBlocks as missing:
                 without_blocks.append(missing)
                 continue

@@ -41,6 +41,11 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
             f"{where}: regional_min_reuse must be >= 0 (blocks per distinct structure; 0 = always regional), "
             f"got {policy.regional_min_reuse}."
         )
+    if not 0 <= policy.regional_outer_min_share <= 1:
+        raise PolicyError(
+            f"{where}: regional_outer_min_share must be in [0, 1] (the share of a module's parameters outside its "
+            f"blocks from which rest: auto compiles it whole around them), got {policy.regional_outer_min_share}."
+        )
     validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     if policy.enabled and not policy.rules and policy.optimizer.compile == "false":
         raise PolicyError(
@@ -65,11 +70,12 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
 
 def _check_background(where: str, policy: CompilePolicy) -> None:
     for index, rule in enumerate(policy.rules):
-        if rule.action == "regional" and rule.rest in ("nested", "outer"):
+        if rule.action == "regional" and rule.rest in ("nested", "outer", "auto"):
             raise PolicyError(
                 f"{where}: background: true with rest: {rule.rest} (rule {index}) is not supported: the background "
                 "thread replays each region alone, and these regions run other regions inside them (nested: "
-                "compiling them on a thread failed on an H100, torch 2.11); use rest: compile, or background: false."
+                "compiling them on a thread failed on an H100, torch 2.11; auto: it may resolve to outer); use "
+                "rest: compile, or background: false."
             )
     if policy.shapes.warmup:
         raise PolicyError(

@@ -1,0 +1,108 @@
+"""``rest: auto`` (the bundled ``regional`` policy's): ``outer`` where a module's weights outside its blocks reach
+``regional_outer_min_share``, else ``compile``. Plans only: nothing is compiled."""
+
+import pytest
+import transformers
+from torch import nn
+
+from compile_trainer.planning.selection import resolve_plan
+from compile_trainer.schema import PolicyError, to_policy
+from tests.conftest import Wrapper
+
+
+def big_vocab_llama() -> nn.Module:
+    """A decoder LM whose embeddings and head outweigh its blocks, as a 32k-vocab Llama's are a large share."""
+    config = transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def small_head_vit() -> nn.Module:
+    """A classifier whose blocks hold nearly everything (patch embedding, 10-class head), as ViT-B/16's do."""
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        intermediate_size=256, num_labels=10,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def share_outside(model: nn.Module, stack: nn.Module) -> float:
+    def elements(module):
+        return sum(t.numel() for t in [*module.parameters(), *module.buffers()])
+
+    return 1 - elements(stack) / elements(model)
+
+
+def regional_plan(model: nn.Module, **overrides):
+    return resolve_plan(nn.ModuleDict({"model": model}), to_policy("regional", **overrides))
+
+
+def roles(plan):
+    return {region.name: region.role for region in plan.regions}
+
+
+def notes(plan) -> str:
+    return "\n".join(plan.notes)
+
+
+def test_a_decoder_lm_with_a_large_vocab_is_compiled_around_its_blocks():
+    model = big_vocab_llama()
+    share = share_outside(model, model.model.layers)
+    assert share > 0.5
+    plan = regional_plan(model)
+    assert roles(plan)["model"] == "outer"
+    assert plan.regions[0].breaks == ["model.model"], "the module that loops over the layers runs eagerly"
+    assert list(roles(plan).values()).count("block") == 4
+    note = f"model (LlamaForCausalLM): {share:.1%} of its parameters and buffers outside its 4 blocks"
+    assert f"{note} (>= regional_outer_min_share 10%): compiled whole around its blocks (rest: outer)" in notes(plan)
+
+
+def test_a_vit_with_a_small_head_compiles_its_other_parts_as_regions():
+    model = small_head_vit()
+    share = share_outside(model, model.vit.layers)
+    assert share < 0.05
+    plan = regional_plan(model)
+    assert roles(plan) == {
+        "model.vit.embeddings": "rest",
+        **{f"model.vit.layers.{i}": "block" for i in range(4)},
+        "model.vit.layernorm": "rest",
+        "model.classifier": "rest",
+    }
+    note = f"model (ViTForImageClassification): {share:.1%} of its parameters and buffers outside its 4 blocks"
+    assert f"{note} (< regional_outer_min_share 10%): the rest compiled as its own regions (rest: compile)" in (
+        notes(plan)
+    )
+
+
+@pytest.mark.parametrize("build, threshold, road", [(small_head_vit, 0.02, "outer"), (big_vocab_llama, 0.9, "compile")])
+def test_the_threshold_flips_the_road(build, threshold, road):
+    plan = regional_plan(build(), regional_outer_min_share=threshold)
+    assert (roles(plan).get("model") == "outer") == (road == "outer")
+    assert f"regional_outer_min_share {threshold * 100:g}%)" in notes(plan) and f"(rest: {road})" in notes(plan)
+
+
+def test_an_explicit_rest_keeps_its_meaning_whatever_the_share():
+    rule = {"name": "*", "action": "regional"}
+    outer = regional_plan(small_head_vit(), rules=[{**rule, "rest": "outer"}])
+    assert roles(outer)["model"] == "outer" and "regional_outer_min_share" not in notes(outer)
+    split = regional_plan(big_vocab_llama(), rules=[{**rule, "rest": "compile"}])
+    assert "model" not in roles(split) and roles(split)["model.lm_head"] == "rest"
+
+
+def test_auto_falls_back_to_compile_where_the_module_loops_over_its_blocks(tiny_gpt):
+    plan = resolve_plan(Wrapper(tiny_gpt), to_policy("regional"))
+    assert roles(plan) == {
+        "model.embed": "rest",
+        **{f"model.blocks.{i}": "block" for i in range(3)},
+        "model.head": "rest",
+        "head": "rest",  # the Wrapper's own head, matched by the glob, has no blocks: compiled whole
+    }
+    assert "(rest: outer)" in notes(plan) and "loops over its blocks in its own forward" in notes(plan)
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5])
+def test_a_threshold_outside_0_to_1_is_refused(threshold):
+    with pytest.raises(PolicyError, match=r"regional_outer_min_share must be in \[0, 1\].*got " + str(threshold)):
+        to_policy("regional", regional_outer_min_share=threshold)
