@@ -24,6 +24,12 @@ def hf_stream(lengths=LENGTHS, batch=4, seed=0):
     return batches
 
 
+def warmup_steps(buckets) -> int:
+    """Warm-up's training steps: per bucket, a batch ending in padding and one exactly full (the batches have an
+    attention mask, which Hugging Face drops when it is all ones)."""
+    return 2 * len(buckets)
+
+
 def fit_stream(family, policy, stream, **overrides):
     callback = CompileCallback(policy, backend="eager", telemetry={"measure_flops": False}, **overrides)
     module = UserModule(family, **({} if family == "bert" else {"use_cache": False}))
@@ -80,7 +86,7 @@ def test_buckets_pad_hf_batches_by_role_without_changing_training_and_compile_on
     # Warm-up runs training_step twice per bucket (4) before the first real step, as docs/dynamic_shapes.md says
     # (ending in padding, and exactly full with an all-ones mask): a training_step that records its losses sees
     # those calls first.
-    warmups = 2 * len(callback.policy.shapes.pad.buckets)
+    warmups = warmup_steps(callback.policy.shapes.pad.buckets)
     assert len(module.losses) == warmups + len(stream)
     # padded to buckets (ids and mask 0, labels -100) and compiled, training is the unpadded eager training
     trained = torch.stack(module.losses[warmups:])
@@ -138,7 +144,7 @@ def test_auto_buckets_come_from_the_training_batches_and_leave_training_unchange
     assert summary["expected_padding_overhead"] == pytest.approx(padding_overhead(samples, expected))
     assert summary["padding_overhead"] == pytest.approx(padding_overhead(samples, expected)), "all 16 batches seen"
     assert summary["recompiles"] == 0, callback.telemetry.compile.events
-    trained = torch.stack(module.losses[len(expected) :])  # warm-up ran training_step once per bucket first
+    trained = torch.stack(module.losses[warmup_steps(expected) :])  # warm-up's training steps came first
     torch.testing.assert_close(trained, torch.stack(eager.losses), rtol=1e-4, atol=1e-5)
 
 
@@ -221,7 +227,7 @@ def test_hf_models_train_and_validate_like_unpadded_eager_with_a_smaller_last_ba
     fits_the_model = {"shapes": {"pad": {"buckets": [16, 32, 48, 64]}}} if policy == "buckets" else {}  # 64 positions
     callback = CompileCallback(policy, backend="aot_eager", telemetry={"measure_flops": False}, **fits_the_model)
     compiled = fit_with_validation(family, train, val, callback)
-    start = len(callback.policy.shapes.pad.buckets) if policy == "buckets" else 0  # warm-up's training steps
+    start = warmup_steps(callback.policy.shapes.pad.buckets) if policy == "buckets" else 0
     torch.testing.assert_close(torch.stack(compiled.losses[start:]), torch.stack(eager.losses), rtol=1e-4, atol=1e-5)
     validated = torch.stack(compiled.val_losses[-2:])  # after warm-up's validation steps
     torch.testing.assert_close(validated, torch.stack(eager.val_losses), rtol=1e-4, atol=1e-5)
@@ -243,4 +249,4 @@ def test_strict_recompiles_raise_on_a_real_new_shape_of_an_hf_batch_only():
     with pytest.raises(RecompileError, match=r"would recompile in training after warm-up.*\(3, 32"):
         trainer.fit(module, train_dataloaders=DataLoader(train, batch_size=None))
     buckets = callback.policy.shapes.pad.buckets
-    assert len(module.losses) == len(buckets) + 6, "every batch of 4 rows trained, whatever its length"
+    assert len(module.losses) == warmup_steps(buckets) + 6, "every batch of 4 rows trained, whatever its length"
