@@ -35,6 +35,13 @@ def frame_compile_seconds(metric: Any) -> float:
     return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
 
 
+def with_rest(policy: Any, rest: str) -> Any:
+    """``policy`` with every rule's ``rest`` replaced: a benchmark's experiment on what the rest of a model costs."""
+    from compile_trainer.schema import to_policy
+
+    return to_policy(policy, rules=[dict(vars(rule), rest=rest) for rule in policy.rules])
+
+
 # Dense bf16 tensor-core peak (FLOP/s) by device name; Lightning does not know the H200 (same chip as H100 SXM).
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 

@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     format_table,
     is_recompile,
     synchronize,
+    with_rest,
     write_result,
 )
 from benchmarks.real_models import build_model, fresh_compiler_state  # noqa: E402
@@ -133,7 +134,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             overrides["shapes"] = {"pad": {"dim": 1, "multiple_of": int(changes["pad"]), "values": values}}
         policy = to_policy(name, **overrides)
         if "rest" in changes:
-            policy = to_policy(policy, rules=[dict(vars(rule), rest=changes["rest"]) for rule in policy.rules])
+            policy = with_rest(policy, changes["rest"])
         holder = nn.ModuleDict({"model": model})  # as in a LightningModule, so the bundled rules (name: "*") match
         applied = apply_policy(holder, policy, device=device)
         shaper = BatchShaper(policy.shapes)

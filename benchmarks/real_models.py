@@ -50,6 +50,7 @@ from benchmarks.common import (  # noqa: E402
     peak_flops,
     synchronize,
     timed,
+    with_rest,
 )
 
 
@@ -300,7 +301,7 @@ def prepare(
     name, rest = policy_and_rest(variant)
     policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
     if rest:
-        policy = to_policy(policy, rules=[dict(vars(rule), rest=rest) for rule in policy.rules])
+        policy = with_rest(policy, rest)
     holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
     applied = apply_policy(holder, policy)
     return model, applied, False, list(applied.notes)

@@ -151,6 +151,9 @@ class LoggerMethodName(str):
     def __eq__(self, other: object) -> bool:
         return other is self.method or (isinstance(other, LoggerMethodName) and other.method is self.method)
 
+    def __ne__(self, other: object) -> bool:  # str's own would compare the name
+        return not self == other
+
     def __hash__(self) -> int:
         return hash(self.method)
 

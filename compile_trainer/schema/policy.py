@@ -45,7 +45,7 @@ class Rule(SettingsOverrides):
     # or ``nested``: compile the module whole, with each repeated block marked as a nested compile region
     # (``torch.compiler.nested_compile_region``) so that it is traced and compiled once and reused.
     # ``auto``: ``outer`` where the module's parameters and buffers outside its blocks are at least
-    # ``CompilePolicy.regional_outer_min_share`` of its own, else ``compile``.
+    # ``CompilePolicy.regional_outer_min_share`` of its own, else ``eager``.
     rest: str = "eager"
 
     def describe(self) -> str:
@@ -94,10 +94,10 @@ class CompilePolicy(CompileSettings):
     # them cost throughput. 0 compiles the blocks regionally whatever their reuse.
     regional_min_reuse: float = 3.0
     # ``rest: auto`` compiles a matched module whole around its blocks (``outer``) when at least this share of
-    # its parameters and buffers (by element count) lies outside the blocks, else each other part as its own
-    # region (``compile``). Measured on an H100: HF Llama and GPT-2 (~28-31% outside: embeddings, head, and a
-    # loss on large logits) gained from ``outer``; timm ViT-B/16 (1.7% outside) lost cold start to its outer
-    # graphs, one prefix and resume per frame down to the break. 0: always ``outer``.
+    # its parameters and buffers (by element count) lies outside the blocks, else leaves the code around them
+    # eager. Measured on an H100: HF Llama and GPT-2 (~26-32% outside: embeddings, head, and a loss on large
+    # logits) gained from ``outer``; timm ViT-B/16 (1.7% outside) lost cold start to its outer graphs, one prefix
+    # and resume per frame down to the break, and to its parts compiled as regions. 0: always ``outer``.
     regional_outer_min_share: float = 0.10
     # Compile on a background thread while the first steps run eagerly (compile_trainer.compiling.background).
     background: bool = False

@@ -379,11 +379,14 @@ class BatchShaper:
         if self.buckets is None and self.shapes.pad.auto is None:
             return [self(batch)]
         self._require_chosen_buckets()
+        self.resolve(batch)
+        mask = self._mask_entry()
         batches = []
         for length in self.buckets:
             batches.append(self.mark(self.pad(self.pad(batch, max(length - 1, 1)), length)))
-            if self._mask_entry() is not None:
-                batches.append(self.mark(self._without_padding(self.pad(batch, length))))
+            if mask is not None:
+                full = self.pad(batch, length)
+                batches.append(self.mark(replace_entries(full, {mask: torch.ones_like(get_entry(full, mask))})))
         return batches
 
     def _mask_entry(self) -> Optional[str]:
@@ -392,10 +395,6 @@ class BatchShaper:
         if mask is None and "attention_mask" in self.shapes.pad.values:
             mask = "attention_mask"
         return mask if mask in self.shapes.pad.values else None
-
-    def _without_padding(self, batch: Any) -> Any:
-        mask = self._mask_entry()
-        return replace_entries(batch, {mask: torch.ones_like(get_entry(batch, mask))})
 
 
 class PadCollate:
