@@ -35,11 +35,12 @@ def frame_compile_seconds(metric: Any) -> float:
     return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
 
 
-def with_rest(policy: Any, rest: str) -> Any:
-    """``policy`` with every rule's ``rest`` replaced: a benchmark's experiment on what the rest of a model costs."""
+def with_rule_changes(policy: Any, **changes: str) -> Any:
+    """``policy`` with every rule's fields in ``changes`` replaced (``rest="outer"``, ``action="full"``): a
+    benchmark's experiment on what the rest of a model costs, or on one graph in place of regions."""
     from compile_trainer.schema import to_policy
 
-    return to_policy(policy, rules=[dict(vars(rule), rest=rest) for rule in policy.rules])
+    return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules])
 
 
 # Dense bf16 tensor-core peak (FLOP/s) by device name; Lightning does not know the H200 (same chip as H100 SXM).

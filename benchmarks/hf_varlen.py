@@ -16,6 +16,8 @@ empty compile caches; total time counts every compile and warm-up, as a user pay
 Variants:
 - ``plain``: ``torch.compile(model)``, batches as they come.
 - ``dynamic``: the bundled ``dynamic`` policy (entries by role, region inputs marked like the batch).
+- ``dynamic_full``: the bundled ``dynamic_full`` policy (the whole model one dynamic graph, lengths padded to
+  multiples of 32, a CUDA graph per padded length).
 - ``buckets``: the bundled ``buckets`` policy with buckets 128/256/512/1024, every bucket compiled first.
 - ``buckets_auto``: the bundled ``buckets_auto`` policy: 4 buckets chosen from the first 64 batches' lengths.
 - ``fixed_length``: the same real tokens packed into full rows of 1024, ``torch.compile(model)``: the reference
@@ -25,6 +27,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import random
@@ -45,7 +48,7 @@ from benchmarks.common import (  # noqa: E402
     format_table,
     is_recompile,
     synchronize,
-    with_rest,
+    with_rule_changes,
     write_result,
 )
 from benchmarks.real_models import build_model, fresh_compiler_state  # noqa: E402
@@ -56,15 +59,15 @@ from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
 
-VARIANTS = ["plain", "dynamic", "buckets", "buckets_auto", "fixed_length"]
+VARIANTS = ["plain", "dynamic", "dynamic_full", "buckets", "buckets_auto", "fixed_length"]
 FIXED_BUCKETS = [128, 256, 512, 1024]
 ROWS = {
     "equal": "every row of a batch of its length",
     "ragged": "rows after the first shorter, padded at the end (collator padding in every variant)",
 }
 COLUMNS = [
-    "variant", "total_s", "vs_plain_total", "compile_s", "warmup_s", "steady_real_tokens_per_s", "vs_fixed_length",
-    "graphs", "recompiles_after_warmup", "padding", "buckets",
+    "variant", "total_s", "vs_plain_total", "vs_plain_total_at_most", "compile_s", "warmup_s",
+    "steady_real_tokens_per_s", "vs_fixed_length", "graphs", "recompiles_after_warmup", "padding", "buckets",
 ]  # fmt: skip
 
 
@@ -95,15 +98,16 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 
 def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
     """A policy variant's bundled policy and its overrides (an experiment): ``dynamic@rest=outer@mode=reduce-overhead``
-    is the bundled ``dynamic`` with every rule's ``rest`` and the policy's ``mode`` replaced; ``@pad=64`` pads
+    is the bundled ``dynamic`` with every rule's ``rest`` and the policy's ``mode`` replaced (``@action=full``: every
+    rule's action); ``@pad=64`` pads
     lengths to multiples of 64 (ids 0, labels -100, the mask with ``@mask_pad``'s value, default 0: 1 keeps a causal
     model's mask all ones, which changes nothing for the real tokens before the padding)."""
     name, *pairs = variant.split("@")
     overrides = dict(pair.split("=", 1) for pair in pairs)
-    unknown = set(overrides) - {"rest", "mode", "pad", "mask_pad"}
+    unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad"}
     if name not in VARIANTS or unknown:
         raise argparse.ArgumentTypeError(
-            f"variant {variant!r}: one of {VARIANTS}, then @rest=..., @mode=..., @pad=N, @mask_pad=0|1"
+            f"variant {variant!r}: one of {VARIANTS}, then @action=..., @rest=..., @mode=..., @pad=N, @mask_pad=0|1"
         )
     return name, overrides
 
@@ -133,8 +137,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             values = {"@tokens": 0, "@attention_mask": int(changes.get("mask_pad", 0)), "@labels": -100}
             overrides["shapes"] = {"pad": {"dim": 1, "multiple_of": int(changes["pad"]), "values": values}}
         policy = to_policy(name, **overrides)
-        if "rest" in changes:
-            policy = with_rest(policy, changes["rest"])
+        if changes.keys() & {"action", "rest"}:
+            policy = with_rule_changes(policy, **{k: changes[k] for k in ("action", "rest") if k in changes})
         holder = nn.ModuleDict({"model": model})  # as in a LightningModule, so the bundled rules (name: "*") match
         applied = apply_policy(holder, policy, device=device)
         shaper = BatchShaper(policy.shapes)
@@ -175,7 +179,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         warmup_s = time.perf_counter() - started
     warmed = compiles() if shaper is not None and policy.shapes.warmup else None
     steady_tokens, steady_s, real, positions = 0, 0.0, 0, 0
-    step_ms, seen = [], set()  # (length the model saw, first time it saw it, ms) per step
+    step_ms, occurrences = [], collections.Counter()  # (length the model saw, first time it saw it, ms) per step
+    cuda_graphs = policy is not None and "reduce-overhead" in (policy.mode, *(rule.mode for rule in policy.rules))
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         real += int(batch["attention_mask"].sum())
@@ -187,9 +192,11 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         synchronize(device)
         seconds = time.perf_counter() - step_started
         length = int(batch["input_ids"].shape[1])
-        step_ms.append([length, length not in seen, round(seconds * 1e3, 2)])
-        seen.add(length)
-        if compiles() == before:
+        step_ms.append([length, occurrences[length] == 0, round(seconds * 1e3, 2)])
+        # CUDA graph trees run a new shape once to warm up and record it at its second run
+        recording = cuda_graphs and occurrences[length] < 2
+        occurrences[length] += 1
+        if compiles() == before and not recording:
             steady_tokens += int(batch["attention_mask"].sum())
             steady_s += seconds
     total = time.perf_counter() - started
@@ -199,9 +206,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         unseen = [
             {k: v[:, : v.shape[1] - 1].contiguous() for k, v in b.items()}
             for b in tail
-            if b["input_ids"].shape[1] - 1 not in seen
+            if b["input_ids"].shape[1] - 1 not in occurrences
         ]
-        profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
+        if shaper is not None:  # a policy's new length: what compiled code does with it (plain would recompile)
+            profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
     telemetry.collect()
     telemetry.uninstall()
     metrics = list(compat.compilation_metrics())
@@ -253,9 +261,12 @@ def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     by_name = {row["variant"]: row for row in rows if "error" not in row}
+    plain_ran_s = next((row["ran_s"] for row in rows if row["variant"] == "plain" and "ran_s" in row), None)
     for row in by_name.values():
         if "plain" in by_name:
             row["vs_plain_total"] = row["total_s"] / by_name["plain"]["total_s"]
+        elif plain_ran_s:
+            row["vs_plain_total_at_most"] = row["total_s"] / plain_ran_s
         reference = by_name.get("fixed_length", {}).get("steady_real_tokens_per_s")
         if reference and row["steady_real_tokens_per_s"]:
             row["vs_fixed_length"] = row["steady_real_tokens_per_s"] / reference
@@ -287,6 +298,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, aot_eager, 8 steps")
     parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
+    parser.add_argument("--plain-timeout", type=int, help="seconds for plain (default: --variant-timeout)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for variant in args.variants:
@@ -302,9 +314,11 @@ def main() -> None:
         f"(seed {args.seed}), {ROWS[args.rows]}; HF Llama (16 layers, d 1024, vocab "
         "32000), bf16 autocast, fused AdamW; each variant in a fresh process with empty caches",
         "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
-        "steady_real_tokens_per_s: real (unmasked) tokens over the steps that compiled nothing; padding: positions "
-        "/ real tokens - 1 (the collator's own padding included); recompiles_after_warmup: compiles after warm-up "
-        "(plain: after its first)",
+        "steady_real_tokens_per_s: real (unmasked) tokens over the steps that compiled and recorded nothing "
+        "(with CUDA graphs, a length's first two steps are its warm-up and recording, not steady); padding: "
+        "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: compiles "
+        "after warm-up (plain: after its first); vs_plain_total_at_most: total_s / the seconds plain ran before "
+        "its timeout stopped it",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
         f"environment: {json.dumps(environment())}",
     ]
@@ -312,17 +326,18 @@ def main() -> None:
     rows = []
     for variant in args.variants:
         command = [sys.executable, __file__, "--worker", variant] + sys.argv[1:]
+        timeout = args.plain_timeout if variant == "plain" and args.plain_timeout else args.variant_timeout
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.variant_timeout)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            rows.append({"variant": variant, "error": f"over --variant-timeout {args.variant_timeout} s"})
-            continue
-        if done.returncode != 0:
-            rows.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
-            print(f"{variant}: failed\n{done.stderr[-3000:]}", flush=True)
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
+            rows.append({"variant": variant, "error": f"did not finish within {timeout} s", "ran_s": timeout})
+        else:
+            if done.returncode != 0:
+                rows.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
+                print(f"{variant}: failed\n{done.stderr[-3000:]}", flush=True)
+            else:
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
         add_ratios(rows)
         write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)  # after each: a cut-short run keeps its rows
     print(format_table(COLUMNS, rows))

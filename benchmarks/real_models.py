@@ -50,7 +50,7 @@ from benchmarks.common import (  # noqa: E402
     peak_flops,
     synchronize,
     timed,
-    with_rest,
+    with_rule_changes,
 )
 
 
@@ -301,7 +301,7 @@ def prepare(
     name, rest = policy_and_rest(variant)
     policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
     if rest:
-        policy = with_rest(policy, rest)
+        policy = with_rule_changes(policy, rest=rest)
     holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
     applied = apply_policy(holder, policy)
     return model, applied, False, list(applied.notes)

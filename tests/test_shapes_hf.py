@@ -43,9 +43,10 @@ def frame_recompiles():
     return [m for m in get_compilation_metrics() if not str(m.compile_id).endswith("/0")]
 
 
+@pytest.mark.parametrize("policy", ["dynamic", "dynamic_full"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
-def test_dynamic_never_recompiles_on_a_stream_of_new_lengths(family):
-    _, callback = fit_stream(family, "dynamic", hf_stream())
+def test_dynamic_never_recompiles_on_a_stream_of_new_lengths(family, policy):
+    _, callback = fit_stream(family, policy, hf_stream())
     assert frame_recompiles() == [], [(m.compile_id, m.recompile_reason) for m in frame_recompiles()]
     assert callback.summary()["recompiles"] == 0
     marked = {d.entry for d in callback.policy.shapes.dynamic}
@@ -182,7 +183,8 @@ def test_dynamic_with_inductor_adds_no_size_guard_of_its_own():
 
 def test_dynamic_turns_cudnn_attention_off_on_the_gpu_while_applied():
     """cuDNN attention builds a plan per new length (host-bound steps on an H100): off while a dynamic policy is
-    applied to a model on the GPU, back on after. Nothing runs on the device: the policy is only applied."""
+    applied to a model on the GPU, back on after; on while lengths are padded to a few (each plan built once).
+    Nothing runs on the device: the policy is only applied."""
     from compile_trainer.compiling.regions import CUDNN_ATTENTION_OFF, apply_policy
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
@@ -193,6 +195,10 @@ def test_dynamic_turns_cudnn_attention_off_on_the_gpu_while_applied():
     assert not torch.backends.cuda.cudnn_sdp_enabled() and CUDNN_ATTENTION_OFF in on_gpu.notes
     on_gpu.remove()
     assert torch.backends.cuda.cudnn_sdp_enabled()
+    padded = to_policy("dynamic", shapes={"pad": {"multiple_of": 64, "values": {"@tokens": 0, "@labels": -100}}})
+    padded_on_gpu = apply_policy(UserModule("llama", use_cache=False), padded, device=torch.device("cuda"))
+    assert torch.backends.cuda.cudnn_sdp_enabled() and CUDNN_ATTENTION_OFF not in padded_on_gpu.notes
+    padded_on_gpu.remove()
 
 
 class ValidatedModule(UserModule):
@@ -218,7 +224,7 @@ def fit_with_validation(family, train, val, callback=None):
     return module
 
 
-@pytest.mark.parametrize("policy", ["buckets", "dynamic"])
+@pytest.mark.parametrize("policy", ["buckets", "dynamic", "dynamic_full"])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
 def test_hf_models_train_and_validate_like_unpadded_eager_with_a_smaller_last_batch(family, policy):
     train = hf_stream([6, 11, 19, 27, 40], batch=4) + hf_stream([17], batch=3, seed=9)  # a smaller last batch
@@ -234,7 +240,7 @@ def test_hf_models_train_and_validate_like_unpadded_eager_with_a_smaller_last_ba
     for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)  # the gradients were the same
     events = [e for e in callback.telemetry.compile.events if e.kind == "recompile"]
-    if policy == "dynamic":
+    if policy.startswith("dynamic"):
         assert events == [], "batch size and length dynamic from the first compile"
     else:  # static graphs per bucket: only the smaller batch's size is new
         assert all("index 0" in e.reason for e in events), [e.reason for e in events]

@@ -304,9 +304,10 @@ def _refuse_user_compiled(root: nn.Module) -> None:
 
 
 CUDNN_ATTENTION_OFF = (
-    "shapes.dynamic: cuDNN attention is off while the policy is applied (scaled_dot_product_attention uses flash "
-    "or memory-efficient attention): cuDNN builds a plan for every new length, about 5.5 ms of host time per "
-    "attention call (H100, torch 2.11), which made a 16-layer Llama's steps host-bound"
+    "shapes.dynamic without shapes.pad: cuDNN attention is off while the policy is applied "
+    "(scaled_dot_product_attention uses flash or memory-efficient attention): cuDNN builds a plan for every new "
+    "length, about 5.5 ms of host time per attention call (H100, torch 2.11), which made a 16-layer Llama's steps "
+    "host-bound; with lengths padded to a few (shapes.pad) each plan is built once and cuDNN stays on"
 )
 
 
@@ -349,7 +350,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         applied.notes.append("compiler collectives on: every rank makes the same dynamic-shape decisions")
     ignored = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
     applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
-    if policy.shapes.dynamic and device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+    unpadded_lengths = policy.shapes.dynamic and not policy.shapes.pad.enabled
+    if unpadded_lengths and device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
         applied.process_settings.callback(torch.backends.cuda.enable_cudnn_sdp, True)
         applied.notes.append(CUDNN_ATTENTION_OFF)
