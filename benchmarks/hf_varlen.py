@@ -205,8 +205,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     total = time.perf_counter() - started
     # Steady throughput as a fit sees it: the stream again, each batch at a length already compiled (and recorded),
     # with no sync between steps (the host queues a step while the GPU runs the last, as in a Lightning fit; the
-    # timed loop above syncs after every step to time it alone, which leaves the GPU idle between steps).
+    # timed loop above syncs after every step to time it alone, which leaves the GPU idle between steps). The
+    # batches are pinned, as a DataLoader with pin_memory=True hands them over: a copy from pageable memory waits
+    # for the GPU to finish the work queued before it.
     again = [b for b, length in zip(batches, lengths) if not cuda_graphs or occurrences[length] >= 2]
+    if device.type == "cuda":
+        again = [{k: v.pin_memory() for k, v in b.items()} for b in again]
     again_tokens = sum(int(b["attention_mask"].sum()) for b in again)
     before = compiles()
     synchronize(device)
@@ -334,8 +338,8 @@ def main() -> None:
         "32000), bf16 autocast, fused AdamW; each variant in a fresh process with empty caches",
         "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
         "steady_real_tokens_per_s: the stream run again after it (every length compiled; with CUDA graphs the "
-        "batches at lengths recorded, that is seen twice), without a sync between steps: real (unmasked) tokens / "
-        "seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
+        "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
+        "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
         "nothing (a sync after each); padding: "
         "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: compiles "
         "after warm-up (plain: after its first); vs_plain_total_at_most: total_s / the seconds plain ran before "
