@@ -160,13 +160,16 @@ def test_auto_buckets_are_checked_before_training():
         BatchShaper(to_policy("buckets_auto").shapes).pad(hf_stream([8])[0])
 
 
-def test_dynamic_with_inductor_adds_no_size_guard_of_its_own():
+@pytest.mark.parametrize("policy", ["dynamic", "dynamic_full"])
+def test_dynamic_with_inductor_adds_no_size_guard_of_its_own(policy):
     """The real Inductor on a stream of new lengths: no recompile, the same losses as eager; the regions are
-    compiled with the options that keep Inductor's own size checks from guarding (where this torch has them)."""
+    compiled with the options that keep Inductor's own size checks from guarding (where this torch has them).
+    ``dynamic_full`` pads to multiples of 16 here (this model's 64 positions would leave one padded length)."""
     from compile_trainer.compat import inductor_options_without_size_guards
 
     stream = hf_stream(list(range(6, 30, 4)))
-    callback = CompileCallback("dynamic", telemetry={"measure_flops": False})
+    padded = {"shapes": {"pad": {"multiple_of": 16}}} if policy == "dynamic_full" else {}
+    callback = CompileCallback(policy, telemetry={"measure_flops": False}, **padded)
     module = UserModule("gpt2", use_cache=False)
     quiet_cpu_trainer(max_steps=len(stream), limit_val_batches=0, callbacks=[callback]).fit(
         module, train_dataloaders=DataLoader(stream, batch_size=None)
