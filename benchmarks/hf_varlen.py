@@ -203,23 +203,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             steady_tokens += int(batch["attention_mask"].sum())
             steady_s += seconds
     total = time.perf_counter() - started
-    # Steady throughput as a fit sees it: the stream again, each batch at a length already compiled (and recorded),
-    # with no sync between steps (the host queues a step while the GPU runs the last, as in a Lightning fit; the
-    # timed loop above syncs after every step to time it alone, which leaves the GPU idle between steps). The
-    # batches are pinned, as a DataLoader with pin_memory=True hands them over: a copy from pageable memory waits
-    # for the GPU to finish the work queued before it.
     again = [b for b, length in zip(batches, lengths) if not cuda_graphs or occurrences[length] >= 2]
-    if device.type == "cuda":
-        again = [{k: v.pin_memory() for k, v in b.items()} for b in again]
-    again_tokens = sum(int(b["attention_mask"].sum()) for b in again)
     before = compiles()
-    synchronize(device)
-    again_started = time.perf_counter()
-    for batch in again:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        train_step(shaper(batch) if shaper is not None else batch)
-    synchronize(device)
-    again_s = time.perf_counter() - again_started
+    steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
     if args.profile:
         tail = batches[-args.profile :]
         profile_steps(f"{variant} seen lengths", tail, shaper, train_step, device, args)
@@ -239,7 +225,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         "total_s": total,
         "compile_s": telemetry.compile_time_s,
         "warmup_s": warmup_s,
-        "steady_real_tokens_per_s": again_tokens / again_s,
+        "steady_real_tokens_per_s": steady_tokens_per_s,
         "steady_steps": len(again),
         "steady_compiles": compiles() - before,  # 0: nothing compiled in the steady pass
         "synced_steady_real_tokens_per_s": steady_tokens / steady_s if steady_s else None,
@@ -254,6 +240,23 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         "real_tokens": real,
         "step_ms": step_ms,
     }
+
+
+def steady_pass(batches, shaper, train_step, device) -> float:
+    """Real tokens/s over ``batches`` (each at a length already compiled and, with CUDA graphs, recorded) as a fit
+    runs them: no sync between steps, so the host queues a step while the GPU runs the last (the timed stream syncs
+    after every step to time it alone, which leaves the GPU idle between steps), and pinned batches, as a
+    DataLoader with ``pin_memory=True`` hands them over (a copy from pageable memory waits for the queued work)."""
+    if device.type == "cuda":
+        batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    synchronize(device)
+    started = time.perf_counter()
+    for batch in batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        train_step(shaper(batch) if shaper is not None else batch)
+    synchronize(device)
+    return tokens / (time.perf_counter() - started)
 
 
 def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
