@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
     out = tmp_path / "hf_varlen.json"
-    variants = ["dynamic", "buckets_auto", "fixed_length"]
+    variants = ["dynamic", "dynamic_full", "buckets_auto", "fixed_length"]
     command = [sys.executable, "benchmarks/hf_varlen.py", "--smoke", "--out", str(out), "--variants", *variants]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -21,3 +21,6 @@ def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
     assert len(auto["buckets"]) == 4 and auto["buckets"][-1] <= 64 and auto["recompiles_after_warmup"] == 0
     assert rows["fixed_length"]["padding"] == 0 and rows["fixed_length"]["vs_fixed_length"] == 1
     assert rows["dynamic"]["buckets"] is None and rows["dynamic"]["steady_real_tokens_per_s"] > 0
+    full = rows["dynamic_full"]  # one graph, lengths padded to multiples of 64 (the smoke stream's longest is 64)
+    assert full["graphs"] == 1 and full["recompiles_after_warmup"] == 0 and full["steady_compiles"] == 0
+    assert full["padding"] > 0 and full["steady_steps"] > 0
