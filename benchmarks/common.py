@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,12 @@ def frame_compile_seconds(metric: Any) -> float:
     (``entire_frame_compile_time_s``; ``duration_us`` where that is missing)."""
     seconds = getattr(metric, "entire_frame_compile_time_s", None)
     return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
+
+
+def split_variant(variant: str) -> Tuple[str, Dict[str, str]]:
+    """``name@key=value@...``: a benchmark variant's name and its overrides (an experiment on a bundled policy)."""
+    name, *pairs = variant.split("@")
+    return name, {key: value for key, _, value in (pair.partition("=") for pair in pairs)}
 
 
 def with_rule_changes(policy: Any, **changes: str) -> Any:

@@ -47,6 +47,7 @@ from benchmarks.common import (  # noqa: E402
     environment,
     format_table,
     is_recompile,
+    split_variant,
     synchronize,
     with_rule_changes,
     write_result,
@@ -103,8 +104,7 @@ def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
     rule's action); ``@pad=64`` pads
     lengths to multiples of 64 (ids 0, labels -100, the mask with ``@mask_pad``'s value, default 0: 1 keeps a causal
     model's mask all ones, which changes nothing for the real tokens before the padding)."""
-    name, *pairs = variant.split("@")
-    overrides = dict(pair.split("=", 1) for pair in pairs)
+    name, overrides = split_variant(variant)
     unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad"}
     if name not in VARIANTS or unknown:
         raise argparse.ArgumentTypeError(
@@ -181,7 +181,6 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     warmed = compiles() if shaper is not None and policy.shapes.warmup else None
     steady_tokens, steady_s, real, positions = 0, 0.0, 0, 0
     step_ms, occurrences = [], collections.Counter()  # (length the model saw, first time it saw it, ms) per step
-    lengths = []  # the length the model saw, per batch
     cuda_graphs = policy is not None and "reduce-overhead" in (policy.mode, *(rule.mode for rule in policy.rules))
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
@@ -194,7 +193,6 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         synchronize(device)
         seconds = time.perf_counter() - step_started
         length = int(batch["input_ids"].shape[1])
-        lengths.append(length)
         step_ms.append([length, occurrences[length] == 0, round(seconds * 1e3, 2)])
         # CUDA graph trees run a new shape once to warm up and record it at its second run
         recording = cuda_graphs and occurrences[length] < 2
@@ -203,18 +201,18 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             steady_tokens += int(batch["attention_mask"].sum())
             steady_s += seconds
     total = time.perf_counter() - started
-    again = [b for b, length in zip(batches, lengths) if not cuda_graphs or occurrences[length] >= 2]
+    again = [b for b, (length, *_) in zip(batches, step_ms) if not cuda_graphs or occurrences[length] >= 2]
     before = compiles()
     steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
     if args.profile:
         tail = batches[-args.profile :]
         profile_steps(f"{variant} seen lengths", tail, shaper, train_step, device, args)
-        unseen = [
-            {k: v[:, : v.shape[1] - 1].contiguous() for k, v in b.items()}
-            for b in tail
-            if b["input_ids"].shape[1] - 1 not in occurrences
-        ]
         if shaper is not None:  # a policy's new length: what compiled code does with it (plain would recompile)
+            unseen = [
+                {k: v[:, : v.shape[1] - 1].contiguous() for k, v in b.items()}
+                for b in tail
+                if b["input_ids"].shape[1] - 1 not in occurrences
+            ]
             profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
     telemetry.collect()
     telemetry.uninstall()

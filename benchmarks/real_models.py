@@ -48,6 +48,7 @@ from benchmarks.common import (  # noqa: E402
     frame_compile_seconds,
     is_recompile,
     peak_flops,
+    split_variant,
     synchronize,
     timed,
     with_rule_changes,
@@ -123,7 +124,10 @@ def describe(variant: str) -> str:
 def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
     """A policy variant's bundled policy and its ``rest`` override: ``policy_regional@rest=eager`` runs the
     bundled ``regional`` with every rule's ``rest`` set to ``eager`` (an experiment on what the rest costs)."""
-    name, _, rest = variant[len(POLICY_PREFIX) :].partition("@rest=")
+    name, overrides = split_variant(variant[len(POLICY_PREFIX) :])
+    rest = overrides.pop("rest", None)
+    if overrides:
+        raise ValueError(f"variant {variant!r}: only @rest=... is understood here, not @{', @'.join(overrides)}")
     return name, rest or None
 
 
@@ -457,7 +461,10 @@ def precheck(variant: str) -> Optional[str]:
     if variant.startswith(POLICY_PREFIX):
         from compile_trainer.schema.load import bundled_policy_names
 
-        name, _ = policy_and_rest(variant)
+        try:
+            name, _ = policy_and_rest(variant)
+        except ValueError as error:
+            return str(error)
         if name not in bundled_policy_names():
             return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
         if not has_module("omegaconf"):
