@@ -1,12 +1,18 @@
 """Optimizer-step benchmark: AdamW over GPT-2 small's parameters with torch's foreach and fused kernels,
 ``torch.compile`` of a function calling ``opt.step()`` and this project's compiled step, each with and without
 gradient clipping by norm (``clip_grad_norm_(1.0)``), side by side in one process; then the recipe's GPT-2 small
-trained end to end (Lightning, ``regional``, ``gradient_clip_val=1.0``) under fused AdamW and under the compiled
-step, each in its own process (``benchmarks/train_step.py``'s worker).
+trained end to end (Lightning, ``regional``, bf16), each road in its own process (``benchmarks/train_step.py``'s
+worker): fused AdamW, fused after ``clip_grad_norm_`` (what a Lightning user who clips writes: Lightning refuses
+``gradient_clip_val`` with fused AdamW under mixed precision), foreach with ``gradient_clip_val``, and this
+project's step (compiled, and ``auto``) with and without ``gradient_clip_val``; the same training with no update
+is subtracted from each training step to give the road's step time where a real backward runs beside it.
 
-GPU run (GPT-2 small's 124M fp32 parameters, 1,000 scheduled steps per variant; about 5 minutes):
+GPU run (GPT-2 small's 124M fp32 parameters, 1,000 scheduled steps per variant; about 5 minutes, and 7 more for
+the training rows; or split in two, ``--append`` adding to the first's file):
 
     python benchmarks/optimizer.py --out benchmarks/results/optimizer.json
+    python benchmarks/optimizer.py --no-end-to-end --out benchmarks/results/optimizer.json
+    python benchmarks/optimizer.py --only-end-to-end --append --out benchmarks/results/optimizer.json
 
 CPU smoke run (tiny model, aot_eager backend), as CI runs it:
 
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import statistics
 import sys
@@ -104,15 +111,28 @@ IN_TRAINING = " (in training)"
 BACKWARD_ALONE = "backward alone" + IN_TRAINING
 TRAINING_ROADS = ("fused", "fused + clip", "compile_trainer", "compile_trainer + clip")
 TRAINING_VARIANTS = (BACKWARD_ALONE, *(road + IN_TRAINING for road in TRAINING_ROADS))
-# The recipe trained end to end (benchmarks/train_step.py variants), on the GPU only.
+# The recipe's GPT-2 small trained end to end by Lightning (benchmarks/train_step.py variants, bf16, regional),
+# on the GPU only: a real backward, where the hooks' copies and norms run beside the model's own kernels. The
+# whole training step is timed; the same training with no update is subtracted to give each road's step time.
+END_TO_END_SUFFIX = " (GPT-2 small, Lightning)"
+NO_UPDATE = "no update" + END_TO_END_SUFFIX
 END_TO_END = {
-    "GPT-2 small training, foreach + gradient_clip_val=1.0": "lightning_regional_clip_foreach",
-    "GPT-2 small training, compiled step + gradient_clip_val=1.0": "lightning_regional_clip_compiled_optimizer",
+    NO_UPDATE: "lightning_regional_backward_only",
+    "fused" + END_TO_END_SUFFIX: "lightning_regional",
+    "fused + clip" + END_TO_END_SUFFIX: "lightning_regional_clip_fused_before_step",
+    "foreach + clip, gradient_clip_val" + END_TO_END_SUFFIX: "lightning_regional_clip_foreach",
+    "compile_trainer" + END_TO_END_SUFFIX: "lightning_regional_compiled_optimizer",
+    "compile_trainer + clip, gradient_clip_val" + END_TO_END_SUFFIX: "lightning_regional_clip_compiled_optimizer",
+    "compile_trainer auto" + END_TO_END_SUFFIX: "lightning_regional_auto_optimizer",
+    "compile_trainer auto + clip, gradient_clip_val" + END_TO_END_SUFFIX: "lightning_regional_clip_auto_optimizer",
 }
+# Rows timed with more than the step around it: (the row with nothing but that, the column holding the time).
+WITH_MORE = {IN_TRAINING: (BACKWARD_ALONE, "backward_step_ms"), END_TO_END_SUFFIX: (NO_UPDATE, "training_step_ms")}
 COLUMNS = [
     "variant",
     "step_ms",
     "backward_step_ms",
+    "training_step_ms",
     "ratio",
     "ratio_total",
     "gb_per_s",
@@ -147,9 +167,14 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def suffix_of(variant: str) -> str:
+    """How the row was timed: its suffix in ``WITH_MORE``, or ``""`` for the step alone."""
+    return next((suffix for suffix in WITH_MORE if variant.endswith(suffix)), "")
+
+
 def reference_for(variant: str) -> str:
-    """The variant whose step time this one is compared with: fused with the same clipping (in training too)."""
-    return ("fused + clip" if CLIPPED in variant else "fused") + (IN_TRAINING if IN_TRAINING in variant else "")
+    """The variant whose step time this one is compared with: fused with the same clipping, timed the same way."""
+    return ("fused + clip" if CLIPPED in variant else "fused") + suffix_of(variant)
 
 
 def parity_reference_for(variant: str) -> str:
@@ -328,6 +353,8 @@ def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int,
         phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("compile_phases_s", {}).items() if v)
         if phases:
             notes.append(f"{row['variant']}: compile seconds by phase: {phases}")
+        if row.get("optimizer_choice"):
+            notes.append(f"{row['variant']}: {row['optimizer_choice']}")
         choice = row.get("auto_choice")
         if choice:
             trial = {name: round(ms, 3) for name, ms in choice["step_ms"].items()}
@@ -346,6 +373,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--end-to-end", action=argparse.BooleanOptionalAction, help="also train GPT-2 small (default: on a GPU)"
     )
+    parser.add_argument("--only-end-to-end", action="store_true", help="only the GPT-2 small training rows")
+    parser.add_argument(
+        "--append", action="store_true", help="keep --out's rows that this run does not measure (a run split in two)"
+    )
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     args.steps = args.steps or (20 if args.smoke else 1000)
@@ -353,7 +384,24 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args.variants = args.variants or [v for v in VARIANTS if args.device.type == "cuda" or v not in GPU_ONLY]
     args.variants += [] if args.no_training_rows else list(TRAINING_VARIANTS)
     args.end_to_end = args.device.type == "cuda" if args.end_to_end is None else args.end_to_end
+    if args.only_end_to_end:
+        args.variants, args.end_to_end = [], True
     return args
+
+
+def earlier_result(args: argparse.Namespace) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """With ``--append``: the rows of ``--out`` that this run does not measure, and their notes (naming the
+    command that measured them)."""
+    if not (args.append and args.out.exists()):
+        return [], []
+    earlier = json.loads(args.out.read_text())
+    measured = set(args.variants) | (set(END_TO_END) if args.end_to_end else set())
+    current = {*VARIANTS, *TRAINING_VARIANTS, *END_TO_END} - measured  # rows of variants since renamed are dropped
+    rows = [row for row in earlier["rows"] if row["variant"] in current]
+    notes = [note for note in earlier["notes"] if not note.startswith("rows measured by: ")]
+    command = next((n for n in earlier["notes"] if n.startswith("rows measured by: ")), None)
+    command = command or f"rows measured by: {earlier['meta']['command']} ({earlier['meta']['date']})"
+    return rows, [command, *notes]
 
 
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
@@ -372,8 +420,18 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     params = sum(t.numel() for t in initial)
 
     rows: List[Dict[str, Any]] = []
-    references: Dict[str, List[List[torch.Tensor]]] = {}
+    earlier_rows, earlier_notes = earlier_result(args)
     title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
+
+    def save() -> List[Dict[str, Any]]:
+        """Written after every variant, so a run cut short still leaves what it measured."""
+        finished = with_ratios(earlier_rows + rows) + [copy_floor(param_bytes, device)]
+        notes = notes_for(finished, args, params, param_bytes)
+        notes = earlier_notes + [note for note in notes if note not in earlier_notes]
+        write_result(args.out, "optimizer", title, COLUMNS, finished, notes)
+        return finished
+
+    references: Dict[str, List[List[torch.Tensor]]] = {}
     for variant in args.variants:
         started = time.perf_counter()
         try:
@@ -389,15 +447,13 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             rows.append(row)
             del snapshots
         print(f"{variant}: {time.perf_counter() - started:.1f} s, {rows[-1]}", flush=True)
-        finished = with_ratios(rows) + [copy_floor(param_bytes, device)]
-        # written after every variant, so a run cut short still leaves what it measured
-        write_result(args.out, "optimizer", title, COLUMNS, finished, notes_for(finished, args, params, param_bytes))
+        save()
     references.clear()
     for name, variant in END_TO_END.items() if args.end_to_end else ():
         rows.append(train_end_to_end(name, variant, args))
         print(f"{name}: {rows[-1]}", flush=True)
-        finished = with_ratios(rows) + [copy_floor(param_bytes, device)]
-        write_result(args.out, "optimizer", title, COLUMNS, finished, notes_for(finished, args, params, param_bytes))
+        save()
+    finished = save()
     print(format_table(COLUMNS, finished))
     print("\n".join(notes_for(finished, args, params, param_bytes)))
     return finished
@@ -412,26 +468,30 @@ def parameter_differences(snapshots: List[List[torch.Tensor]], reference: List[L
 
 
 def with_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """In training, each road's step time: its backward + step less the backward alone. ``ratio`` (step) and
-    ``ratio_total`` (backward + step): this road's time over its reference's (fused, or fused + clip, measured the
-    same way), the goal's measure; ``vs_fused``: the reference's step time over this one's."""
-    backward = next((row["backward_step_ms"] for row in rows if row["variant"] == BACKWARD_ALONE), None)
-    rows = [
-        row | {"step_ms": row["backward_step_ms"] - backward}
-        if backward is not None and "backward_step_ms" in row and row["variant"] != BACKWARD_ALONE
-        else row
-        for row in rows
-    ]
+    """Rows timed with more than the step (in training: with backward; end to end: the whole training step) get
+    their step time as that time less the same for the row with no step. ``ratio`` (step) and ``ratio_total``
+    (the whole timed time): this road's over its reference's (fused, or fused + clip, timed the same way), the
+    goal's measure; ``vs_fused``: the reference's step time over this one's."""
     by_name = {row["variant"]: row for row in rows}
+    baselines = {baseline for baseline, _ in WITH_MORE.values()}
     result = []
     for row in rows:
-        reference = by_name.get(reference_for(row["variant"]), {}) if row["variant"] != BACKWARD_ALONE else {}
+        variant = row["variant"]
+        suffix = suffix_of(variant)
+        baseline, column = WITH_MORE.get(suffix, (None, "step_ms"))
+        if baseline in by_name and row.get(column) and by_name[baseline].get(column) and variant != baseline:
+            row = row | {"step_ms": row[column] - by_name[baseline][column]}
+        result.append(row)
+    by_name = {row["variant"]: row for row in result}
+    for index, row in enumerate(result):
+        reference = by_name.get(reference_for(row["variant"]), {}) if row["variant"] not in baselines else {}
+        column = WITH_MORE.get(suffix_of(row["variant"]), (None, None))[1]
         ratios = {}
-        if "tokens_per_s" not in row and row.get("step_ms") and reference.get("step_ms"):
+        if row.get("step_ms") and reference.get("step_ms") and row["variant"] not in baselines:
             ratios = {"ratio": row["step_ms"] / reference["step_ms"], "vs_fused": reference["step_ms"] / row["step_ms"]}
-        if row.get("backward_step_ms") and reference.get("backward_step_ms"):
-            ratios["ratio_total"] = row["backward_step_ms"] / reference["backward_step_ms"]
-        result.append(row | ratios)
+        if column and row.get(column) and reference.get(column):
+            ratios["ratio_total"] = row[column] / reference[column]
+        result[index] = row | ratios
     return result
 
 
@@ -439,11 +499,14 @@ def train_end_to_end(name: str, variant: str, args: argparse.Namespace) -> Dict[
     """The recipe's GPT-2 small trained by Lightning in a fresh process (``benchmarks/train_step.py``'s worker)."""
     from benchmarks import train_step
 
-    passthrough = ["--smoke"] * args.smoke + ["--steps=100", "--warmup=5", f"--backend={args.backend}"]
+    # 20 steps before timing: auto's trial (its candidates' warm-up and timed steps) is over by then
+    passthrough = ["--smoke"] * args.smoke + ["--steps=100", "--warmup=20", f"--backend={args.backend}"]
     worker_args = argparse.Namespace(out=args.out, variant_timeout=300, passthrough=passthrough)
     result = train_step.run_variant(variant, worker_args)
-    keys = ("step_ms", "first_step_s", "tokens_per_s", "peak_mem_gib", "error")
+    keys = ("first_step_s", "tokens_per_s", "peak_mem_gib", "optimizer_choice", "error")
     row = {"variant": name, **{k: result[k] for k in keys if k in result}}
+    if "step_ms" in result:
+        row["training_step_ms"] = result["step_ms"]
     if "recompile_reasons" in result:
         row["recompiles"], row["graphs"] = len(result["recompile_reasons"]), result["graphs"]
     if "first_step_s" in row:

@@ -65,6 +65,7 @@ class Variant:
     overrides: Tuple[Tuple[str, Any], ...] = ()
     module: Tuple[Tuple[str, Any], ...] = ()
     trainer: Tuple[Tuple[str, Any], ...] = ()  # Lightning Trainer arguments
+    step: str = "optimizer"  # Lightning: "optimizer", "clip" (clip_grad_norm_ first) or "none" (see OptimizerStepAs)
 
 
 NO_CUDA_GRAPHS = (("mode", None),)
@@ -110,6 +111,27 @@ VARIANTS = {
         "regional",
         (("optimizer", {"compile": "true"}),),
         trainer=CLIP_TRAINER,
+    ),
+    # What a Lightning user who wants fused AdamW and clipping writes instead: clip_grad_norm_ before the step.
+    "lightning_regional_clip_fused_before_step": Variant(
+        "lightning", "policy regional, fused AdamW, clip_grad_norm_(1.0) before the step", "regional", step="clip"
+    ),
+    "lightning_regional_compiled_optimizer": Variant(
+        "lightning", "policy regional, compiled optimizer step", "regional", (("optimizer", {"compile": "true"}),)
+    ),
+    "lightning_regional_auto_optimizer": Variant(
+        "lightning", "policy regional, optimizer compile: auto", "regional", (("optimizer", {"compile": "auto"}),)
+    ),
+    "lightning_regional_clip_auto_optimizer": Variant(
+        "lightning",
+        "policy regional, optimizer compile: auto (clipping inside), gradient_clip_val=1.0",
+        "regional",
+        (("optimizer", {"compile": "auto"}),),
+        trainer=CLIP_TRAINER,
+    ),
+    # Forward and backward with no update: subtracted from the rows above, it leaves what the optimizer costs.
+    "lightning_regional_backward_only": Variant(
+        "lightning", "policy regional, forward and backward only (no optimizer update)", "regional", step="none"
     ),
 }
 
@@ -339,6 +361,31 @@ def background_result(background: Any) -> Dict[str, Any]:
     return {"compiled_after_s": background.compiled_after_seconds, "eager_steps": background.eager_steps}
 
 
+def optimizer_step_as(how: str):
+    """A Lightning callback that changes what each optimizer's step runs: ``clip`` clips the gradients to total
+    norm 1.0 with ``clip_grad_norm_`` before the step (Lightning refuses ``gradient_clip_val`` with fused AdamW
+    under mixed precision), ``none`` runs Lightning's closure (forward, backward) and no update."""
+    import lightning.pytorch as pl
+
+    class OptimizerStepAs(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            for optimizer in trainer.optimizers:
+                own_step = optimizer.step
+
+                def step(closure=None, own_step=own_step, optimizer=optimizer):
+                    loss = closure()
+                    if how == "clip":
+                        torch.nn.utils.clip_grad_norm_(pl_module.parameters(), 1.0)
+                        own_step()
+                    else:
+                        optimizer._opt_called = True  # the LR scheduler sees a step
+                    return loss
+
+                optimizer.step = step
+
+    return OptimizerStepAs()
+
+
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
@@ -414,7 +461,8 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
         max_steps=most_steps,
         log_every_n_steps=50,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",
-        callbacks=[clock, compile_callback],
+        callbacks=[clock, compile_callback]
+        + ([optimizer_step_as(VARIANTS[variant].step)] if VARIANTS[variant].step != "optimizer" else []),
         **dict(VARIANTS[variant].trainer),
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
@@ -422,6 +470,8 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     result = finish(clock.first_step, clock.timer, clock.window, args, config, device, flops, clock.losses)
     result["host_ms"] = clock.host_timer.median_ms()
     extra = background_result(compile_callback.background) | clock.collections.result()
+    choices = [step.choice.describe() for step in compile_callback.optimizer_steps if step.choice]
+    extra |= {"optimizer_choice": choices[0]} if choices else {}
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 

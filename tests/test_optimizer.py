@@ -475,6 +475,27 @@ def test_auto_with_clipping_keeps_clipping_whichever_candidate_wins(candidates):
     assert_same_params(eager, model)
 
 
+@pytest.mark.parametrize("candidates", [["compiled"], ["foreach", "compiled"]])
+def test_auto_times_the_compiled_candidate_with_its_gradient_copy(candidates):
+    """During the trial no hook copies gradients in backward, where the timing would miss it: the compiled
+    candidate gathers them inside its timed step. A compiled winner gets its hooks back; an eager one reads
+    gradients where backward left them."""
+    model = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    policy = {"compile": "auto", "auto_candidates": candidates, "auto_steps": 2, "backend": "aot_eager"}
+    step = compile_optimizer(optimizer, {**policy, "clip_grad_norm": 0.05})
+    assert not step.layout.hooked, "off from the start: the first backward already feeds the trial"
+    train(model, optimizer, None, STEPS)
+    trial = "step: auto is timing the candidates: the step gathers the gradients"
+    if step.choice.chosen == "compiled":
+        assert step.layout.hooked and step.norm_sources == {trial: 3, "hooks": STEPS - 4}
+        flat_grads = {segment.grad.data_ptr() for segment in step.layout.segments}
+        assert all(p.grad._base is not None and p.grad._base.data_ptr() in flat_grads for p in model.parameters())
+    else:
+        assert not step.layout.hooked and step.norm_sources == {trial: 3}
+        assert all(p.grad._base is None for p in model.parameters()), "backward's own gradient tensors"
+
+
 def test_auto_with_one_eager_candidate_restores_the_optimizer_step():
     model = tiny_model()
     optimizer = OPTIMIZERS["SGD-nesterov"](groups_of(model))
@@ -707,3 +728,20 @@ def test_benchmark_smoke_runs_without_config_packages(tmp_path):
         assert row["ratio_total"] == pytest.approx(row["backward_step_ms"] / reference["backward_step_ms"])
     assert rows["compile_trainer + clip (in training)"]["norm_sources"] == {"hooks": 19}, "taken as gradients land"
     assert rows["compile_trainer auto + clip"]["auto_choice"]["chosen"] in {"fused", "foreach", "compiled"}
+
+
+def test_benchmark_end_to_end_rows_subtract_the_training_without_update():
+    """The GPT-2 training rows: each road's step time is its training step less the same training with no update,
+    compared with fused timed the same way (fused + clip for the rows that clip)."""
+    from benchmarks import optimizer as bench
+
+    suffix = bench.END_TO_END_SUFFIX
+    times = {"no update": 19.0, "fused": 20.0, "fused + clip": 20.8, "compile_trainer + clip, gradient_clip_val": 21.4}
+    rows = [{"variant": name + suffix, "training_step_ms": ms} for name, ms in times.items()]
+    rows.append({"variant": "fused", "step_ms": 1.35})  # a step-alone row keeps its own time
+    by_name = {row["variant"]: row for row in bench.with_ratios(rows)}
+    assert "step_ms" not in by_name["no update" + suffix] and "ratio" not in by_name["no update" + suffix]
+    assert by_name["fused" + suffix]["step_ms"] == pytest.approx(1.0) and by_name["fused"]["step_ms"] == 1.35
+    ours = by_name["compile_trainer + clip, gradient_clip_val" + suffix]
+    assert ours["step_ms"] == pytest.approx(2.4) and ours["ratio"] == pytest.approx(2.4 / 1.8)
+    assert ours["ratio_total"] == pytest.approx(21.4 / 20.8), "against fused + clip, not fused"

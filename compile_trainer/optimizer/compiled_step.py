@@ -254,6 +254,8 @@ class CompiledOptimizerStep:
             self._hooks_see_final_grads = False
             self._update_norms_in_hooks()
             return after_hooks
+        if not self.layout.hooked:
+            return "auto is timing the candidates: the step gathers the gradients"
         if not self.layout.norms_in_hooks:
             return "the hooks take no norms"
         if not all(segment.hook_norms_current() for segment in self.layout.segments):
@@ -312,9 +314,9 @@ class CompiledOptimizerStep:
         if choice.chosen == "compiled":
             for group, (fused, foreach) in zip(self.optimizer.param_groups, self._user_flags):
                 group["fused"], group["foreach"] = fused, foreach
+            self.layout.install_hooks()
         else:
             self.set_eager_flags(choice.chosen)
-            self.layout.remove_hooks()  # torch's step reads the gradients where backward leaves them
             if self.clip == (None, None):
                 self.remove()
             else:
@@ -325,10 +327,15 @@ class CompiledOptimizerStep:
 
 
 class _AutoTrial:
-    """Runs real training steps with each candidate in turn: one warm-up step (it compiles), then timed steps."""
+    """Runs real training steps with each candidate in turn: one warm-up step (it compiles), then timed steps.
+
+    The gradient hooks are off meanwhile: the compiled candidate copies the gradients into its flat buffer inside
+    its timed step, so its time counts the copy that backward's hooks would do otherwise (2 passes over the
+    gradients, which torch's steps never pay: they read each gradient where backward left it)."""
 
     def __init__(self, step: CompiledOptimizerStep):
         self.owner = step
+        step.layout.remove_hooks()
         self.skipped: Dict[str, str] = {}
         candidates = list(step.policy.auto_candidates)
         reason = compat.fused_unsupported_reason(step.optimizer) if "fused" in candidates else None

@@ -135,11 +135,21 @@ class FlatLayout:
                 self.segments.append(FlatSegment(index, params, flat, grad, _views(grad, params)))
         self.bound = False
         self._param_ids = _param_ids(optimizer)
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(_gather_into(self, segment, index))
-            for segment in self.segments
-            for index, param in enumerate(segment.params)
-        ]
+        self._hooks: List[torch.utils.hooks.RemovableHandle] = []
+        self.install_hooks()
+
+    @property
+    def hooked(self) -> bool:
+        """Whether backward gathers the gradients (else the step does)."""
+        return bool(self._hooks)
+
+    def install_hooks(self) -> None:
+        if not self._hooks:
+            self._hooks = [
+                param.register_post_accumulate_grad_hook(_gather_into(self, segment, index))
+                for segment in self.segments
+                for index, param in enumerate(segment.params)
+            ]
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
