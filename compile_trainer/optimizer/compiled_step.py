@@ -49,7 +49,7 @@ class OptimizerChoice:
     """What ``compile: auto`` measured and chose."""
 
     chosen: str
-    step_ms: Dict[str, float]  # fastest timed step per candidate
+    step_ms: Dict[str, float]  # fastest timed step per candidate (the closure, forward and backward, included)
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     device: str = "cpu"
     timed_steps: int = 0
@@ -58,7 +58,7 @@ class OptimizerChoice:
     def describe(self) -> str:
         others = ", ".join(f"{n} {ms:.3f} ms" for n, ms in self.step_ms.items() if n != self.chosen)
         clipping = f", clipping by {self.clipping} included" if self.clipping != "none" else ""
-        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step{clipping}"
+        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step with its closure{clipping}"
         text += f"{' vs ' + others if others else ''}; best of {self.timed_steps} timed steps each on {self.device})"
         return text + "".join(f"; {name} skipped: {why}" for name, why in self.skipped.items())
 
@@ -70,9 +70,27 @@ def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:
     return torch.device("cpu")
 
 
-def _synchronize(device: torch.device) -> None:
+def _start_clock(device: torch.device) -> Any:
+    """A start mark on ``device``'s timeline: a CUDA event recorded on the current stream, else the wall clock."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
+    return time.perf_counter()
+
+
+def _stop_clock(device: torch.device, started: Any) -> Callable[[], float]:
+    """Seconds since ``started``, read later (CUDA: without a host sync until then)."""
+    if device.type == "cuda":
+        stopped = torch.cuda.Event(enable_timing=True)
+        stopped.record()
+        return lambda: (stopped.synchronize(), started.elapsed_time(stopped) / 1000)[1]
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+    seconds = time.perf_counter() - started
+    return lambda: seconds
 
 
 def _distributed() -> bool:
@@ -161,6 +179,8 @@ class CompiledOptimizerStep:
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         compat.mark_optimizer_stepped(self.optimizer)
         self._scaler_calling = compat.grad_scaler_calling()
+        if self._trial is not None:
+            self._trial.start_timing()  # the closure's forward and backward included
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -329,13 +349,17 @@ class CompiledOptimizerStep:
 class _AutoTrial:
     """Runs real training steps with each candidate in turn: one warm-up step (it compiles), then timed steps.
 
+    A timed step is what the candidate costs the device in training: from the start of the call, so Lightning's
+    closure (forward, backward) is included, to the end of the update, measured on the device's stream (CUDA
+    events, read once the trial is over) so host time counts only where the device waits for it, as in training.
+    (Timed with a sync around the step alone, the compiled candidate won on GPT-2 small by 0.03 ms and 0.8 ms with
+    clipping, and trained 0.5 ms a step slower than fused: its lower host overhead is hidden in training.)
     The gradient hooks are off meanwhile: the compiled candidate copies the gradients into its flat buffer inside
-    its timed step, so its time counts the copy that backward's hooks would do otherwise (2 passes over the
-    gradients, which torch's steps never pay: they read each gradient where backward left it)."""
+    the call, so its time counts the copy (2 passes over the gradients that torch's steps never pay: they read
+    each gradient where backward left it)."""
 
     def __init__(self, step: CompiledOptimizerStep):
         self.owner = step
-        step.layout.remove_hooks()
         self.skipped: Dict[str, str] = {}
         candidates = list(step.policy.auto_candidates)
         reason = compat.fused_unsupported_reason(step.optimizer) if "fused" in candidates else None
@@ -343,30 +367,32 @@ class _AutoTrial:
             candidates.remove("fused")
             self.skipped["fused"] = reason
         self.schedule = [(name, timed) for name in candidates for timed in [False] + [True] * step.policy.auto_steps]
-        self.seconds: Dict[str, List[float]] = {name: [] for name in candidates}
+        self.timings: Dict[str, List[Callable[[], float]]] = {name: [] for name in candidates}
+        self._started: Any = None
+        step.layout.remove_hooks()
+
+    def start_timing(self) -> None:
+        self._started = _start_clock(self.owner.device)
 
     def step(self) -> None:
         name, timed = self.schedule.pop(0)
         owner = self.owner
-        _synchronize(owner.device)
-        start = time.perf_counter()
         try:
             if name == "compiled":
                 owner.compiled_update()
             else:
                 owner.eager_step(f"auto is timing {name}", name)
         except Exception as error:  # a compile that fails leaves the other candidates to choose from
-            if name != "compiled" or timed or len(self.seconds) == 1:
+            if name != "compiled" or timed or len(self.timings) == 1:
                 raise
             self._drop_compiled(error)
             owner.eager_step("auto: the compiled candidate failed")
         else:
-            _synchronize(owner.device)
             if timed:
-                self.seconds[name].append(time.perf_counter() - start)
+                self.timings[name].append(_stop_clock(owner.device, self._started))
         if not self.schedule:
             # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
-            step_ms = {name: 1000 * min(times) for name, times in self.seconds.items()}
+            step_ms = {name: 1000 * min(read() for read in reads) for name, reads in self.timings.items()}
             chosen = min(step_ms, key=step_ms.__getitem__)
             choice = OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
             owner.choose(dataclasses.replace(choice, clipping=owner.clipping))
@@ -375,7 +401,7 @@ class _AutoTrial:
         message = " ".join(str(error).split())[:300]
         self.skipped["compiled"] = f"compile failed: {type(error).__name__}: {message}"
         log.warning("optimizer %s: auto: %s", type(self.owner.optimizer).__name__, self.skipped["compiled"])
-        del self.seconds["compiled"]
+        del self.timings["compiled"]
         self.schedule = [entry for entry in self.schedule if entry[0] != "compiled"]
 
 
