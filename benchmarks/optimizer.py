@@ -24,10 +24,10 @@ Two ways of giving the step its gradients:
 
 - the step alone: before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after
   a backward that followed ``zero_grad(set_to_none=True)``; a step that gathers gradients into flat buffers pays
-  that copy in its time (and, clipping by norm, takes the gradients' norms itself: no hook saw them land);
+  that copy in its time;
 - in training (rows ``... (in training)``): a real backward through a cheap graph, the same for every road, gives
   each parameter a new gradient tensor with the same values; backward + step is timed, so the gradient hooks'
-  work (this project's copy into the flat buffer and, clipping by norm, each gradient's norm) is inside it; the
+  work (this project's copy into the flat buffer) is inside it; the
   backward alone (no optimizer, no hooks) is timed once and subtracted to give each road's step time. This
   backward issues a few small kernels per parameter; where it is launch-bound (``host_ms`` near
   ``backward_step_ms``), the hooks' launches count in full here, where a model's backward would hide them
@@ -44,8 +44,7 @@ bandwidth-bound); wall time of the first steps (compile, auto's trial) and Dynam
 graph breaks over all steps; the largest parameter difference from torch's for-loop AdamW (``foreach=False``,
 the implementation the compiled update follows op for op; clipped rows: for-loop AdamW after a for-loop
 ``clip_grad_norm_``), relative to the tensor's largest value after 100 steps and absolute at the end. The
-``copy floor`` row is a device copy of the parameter bytes, scaled to AdamW's 7 passes. Our rows also record
-``norm_sources``: how many steps took the clipping norms from the gradient hooks, and why the others did not.
+``copy floor`` row is a device copy of the parameter bytes, scaled to AdamW's 7 passes.
 """
 
 from __future__ import annotations
@@ -112,7 +111,7 @@ BACKWARD_ALONE = "backward alone" + IN_TRAINING
 TRAINING_ROADS = ("fused", "fused + clip", "compile_trainer", "compile_trainer + clip")
 TRAINING_VARIANTS = (BACKWARD_ALONE, *(road + IN_TRAINING for road in TRAINING_ROADS))
 # The recipe's GPT-2 small trained end to end by Lightning (benchmarks/train_step.py variants, bf16, regional),
-# on the GPU only: a real backward, where the hooks' copies and norms run beside the model's own kernels. The
+# on the GPU only: a real backward, where the hooks' copies run between the model's own kernels. The
 # whole training step is timed; the same training with no update is subtracted to give each road's step time.
 END_TO_END_SUFFIX = " (GPT-2 small, Lightning)"
 NO_UPDATE = "no update" + END_TO_END_SUFFIX
@@ -326,7 +325,6 @@ def run_variant(
         row["compile_kwargs"] = {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None}
         row["compiled_steps"], row["eager_steps"] = compiled_step.compiled_steps, compiled_step.eager_steps
         row["auto_choice"] = asdict(compiled_step.choice) if compiled_step.choice else None
-        row["norm_sources"] = dict(compiled_step.norm_sources)
     return row, [*snapshots, [p.detach() for p in params]]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -336,20 +335,6 @@ def set_step_handles_amp_scaling(optimizer: torch.optim.Optimizer, handles: bool
     optimizer._step_supports_amp_scaling = handles
 
 
-def grad_scaler_calling(depth: int = 4) -> bool:
-    """Whether a ``torch.amp.GradScaler`` calls the running optimizer step (its ``_maybe_opt_step``, within
-    ``depth`` frames): its ``step`` has unscaled the gradients in place, through an op that does not bump their
-    version counters (checked 2.13)."""
-    frame = sys._getframe(1)
-    for _ in range(depth):
-        frame = frame.f_back
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "_maybe_opt_step" and isinstance(frame.f_locals.get("self"), torch.amp.GradScaler):
-            return True
-    return False
-
-
 def fused_unsupported_reason(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """Why torch's fused kernel cannot run this optimizer's parameters, or None if it can."""
     from torch.optim.optimizer import _device_dtype_check_for_fused
@@ -414,12 +399,6 @@ def _probe_optimizer() -> None:
     mark_optimizer_stepped(optimizer)
     set_step_handles_amp_scaling(optimizer, False)
     assert fused_unsupported_reason(optimizer) is None or isinstance(fused_unsupported_reason(optimizer), str)
-    calls = []
-    optimizer.step = lambda: calls.append(grad_scaler_calling())
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(optimizer.param_groups[0]["params"][0].sum()).backward()
-    scaler.step(optimizer)
-    assert calls == [True] and not grad_scaler_calling(), "a GradScaler's step is seen calling the optimizer's"
 
 
 def _probe_compiled_call() -> None:

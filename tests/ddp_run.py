@@ -191,7 +191,7 @@ def main() -> None:
         "plan": callback.applied.rows() if callback.applied is not None else [],
         "world_size": trainer.world_size,
         "gathered_while_compiling": module.gathered_while_compiling,
-        "norm_sources": [step.norm_sources for step in callback.optimizer_steps],
+        "grad_norms": [float(step.grad_norm) for step in callback.optimizer_steps],
     }
     Path(args.out).write_text(json.dumps(result, default=str))
 

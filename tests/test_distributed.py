@@ -92,10 +92,8 @@ def test_ddp_trains_like_one_process(tmp_path, policy, args):
     if "--optimizer" in args:
         # the compiled step chosen and installed, its gradients those DDP's reducer averaged (same weights above),
         assert "optimizer AdamW: compiled" in ddp["output"]
-        # clipping by norm inside it: the hooks' norms on one process; under DDP the hooks run before the reducer
-        # averages the gradients, so the step takes the norms of the averaged ones (the same weights above)
-        assert single["norm_sources"] == [{"hooks": 3}]
-        assert ddp["norm_sources"] == [{"step: distributed: gradients are averaged after the hooks": 3}]
+        # clipping by norm inside it, of the gradients the reducer averaged: the one process's total norm
+        assert ddp["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-5) and single["grad_norms"][0] > 0
     if policy == "buckets":
         assert ddp["summary"]["buckets"] == [8, 16] and ddp["summary"]["padding_overhead"] > 0  # 12 padded to 16
     if "--compiled-from" in args:

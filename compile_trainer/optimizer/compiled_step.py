@@ -14,9 +14,9 @@ gradient clipping in the same compiled function.
   created by the optimizer's own eager step the first time a parameter gets a gradient, so checkpoints load
   into an eager optimizer and back. Step counts live on the parameters' device (as ``capturable=True`` and
   ``fused=True`` keep them), which on a GPU also marks the groups ``capturable``;
-- clipping by norm sums per-parameter gradient norms that the gradient hooks took as gradients landed in the
-  flat buffer; where those may be stale (gradients set by hand or changed after backward, a GradScaler's
-  unscaling, DDP's averaging) the step takes them itself first (``norm_sources`` counts which);
+- clipping by norm takes every gradient's norm at the step (one multi-tensor reduction per segment), from the
+  gradients as they are after anything that changed them since backward (a GradScaler's unscaling, DDP's
+  averaging);
 - a step where some parameter has no gradient, or no state yet, runs the optimizer's own step (after the same
   clipping); see docs/optimizer.md.
 
@@ -93,14 +93,6 @@ def _stop_clock(device: torch.device, started: Any) -> Callable[[], float]:
     return lambda: seconds
 
 
-def _distributed() -> bool:
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )
-
-
 def _entry_function(optimizer: torch.optim.Optimizer) -> types.FunctionType:
     """``update_segments`` under its own code object, named like the regions' entries
     (``compiled_region__optimizer_step_AdamW``): its own Dynamo cache, and the compile telemetry attributes
@@ -140,9 +132,6 @@ class CompiledOptimizerStep:
             compat.mark_static_address(segment.grad)
             compat.mark_static_address(segment.grad_norms)
         self.clip: Clipping = (None, None)
-        self.norm_sources: Dict[str, int] = {}  # where compiled steps' gradient norms came from: hooks, or why not
-        self._hooks_see_final_grads = True  # False once a step found them unscaled or averaged after the hooks
-        self._scaler_calling = False
         self.grad_norm = torch.zeros((), device=self.device, dtype=torch.float32)
         compat.mark_static_address(self.grad_norm)
         self.set_clipping(policy.clip_grad_norm, policy.clip_grad_value)
@@ -166,10 +155,6 @@ class CompiledOptimizerStep:
         if max_norm is not None and max_value is not None:
             raise PolicyError("compiled optimizer step: clip by norm or by value, not both.")
         self.clip = (None if max_norm is None else float(max_norm), None if max_value is None else float(max_value))
-        self._update_norms_in_hooks()
-
-    def _update_norms_in_hooks(self) -> None:
-        self.layout.norms_in_hooks = self.clip[0] is not None and self._hooks_see_final_grads
 
     @property
     def clipping(self) -> str:
@@ -178,7 +163,6 @@ class CompiledOptimizerStep:
 
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         compat.mark_optimizer_stepped(self.optimizer)
-        self._scaler_calling = compat.grad_scaler_calling()
         if self._trial is not None:
             self._trial.start_timing()  # the closure's forward and backward included
         loss = None
@@ -193,8 +177,6 @@ class CompiledOptimizerStep:
             self._trial.step()
         else:
             self.compiled_update()
-        for segment in self.layout.segments:
-            segment.forget_norms()
         return loss
 
     def _not_ready(self) -> Optional[str]:
@@ -254,33 +236,12 @@ class CompiledOptimizerStep:
             hook(optimizer, (), {})
 
     def _grad_norms(self) -> List[torch.Tensor]:
-        """Each segment's per-parameter gradient norms: the hooks' where they measured the gradients as they are
-        now, else taken here (and counted in ``norm_sources`` with the reason)."""
-        reason = self._stale_hook_norms_reason()
-        if reason is not None:
-            for segment in self.layout.segments:
-                segment.compute_norms()
-        source = "hooks" if reason is None else f"step: {reason}"
-        self.norm_sources[source] = self.norm_sources.get(source, 0) + 1
+        """Each segment's per-parameter gradient norms, taken now. (Taken by the gradient hooks as backward
+        produced them instead, per-parameter norm kernels made GPT-2 small's training step 0.35 ms slower on an
+        H100: benchmarks/results/experiments/optimizer_clip_norms_hooks_vs_step_gpt2_small.json.)"""
+        for segment in self.layout.segments:
+            segment.compute_norms()
         return [segment.grad_norms for segment in self.layout.segments]
-
-    def _stale_hook_norms_reason(self) -> Optional[str]:
-        """Why the hooks' norms cannot be used this step, or None. Under DDP the hooks run before the reducer
-        averages the gradients; a GradScaler unscales them after backward without bumping their version: the hooks
-        stop taking norms from then on."""
-        after_hooks = "a GradScaler unscales the gradients after backward" if self._scaler_calling else None
-        after_hooks = after_hooks or (_distributed() and "distributed: gradients are averaged after the hooks")
-        if after_hooks:
-            self._hooks_see_final_grads = False
-            self._update_norms_in_hooks()
-            return after_hooks
-        if not self.layout.hooked:
-            return "auto is timing the candidates: the step gathers the gradients"
-        if not self.layout.norms_in_hooks:
-            return "the hooks take no norms"
-        if not all(segment.hook_norms_current() for segment in self.layout.segments):
-            return "gradients set by hand or changed after backward"
-        return None
 
     def remove(self) -> None:
         """Restore the optimizer's own step (state, flags and the flat buffers' views stay as they are)."""

@@ -10,11 +10,9 @@ produces it (freeing the new tensor at once, so gradients take no more memory th
 ``p.grad`` a view of the buffer, so accumulation over several backwards adds in place. Gradients set by hand
 are gathered at the step with one multi-tensor copy.
 
-For clipping by norm, the same hook can take each parameter's gradient norm right after the copy, into a
-vector per segment, so the compiled step sums a vector instead of reading every gradient again. The norms are
-exact only if nothing wrote the gradients after their hook: each segment keeps which parameters the hooks
-measured since the last step, and the flat gradient's version counter after the last hook (any in-place write
-through a view, e.g. ``zero_()``, ``clip_grad_norm_``, a DDP average, bumps it).
+For clipping by norm the step takes every gradient's norm (one multi-tensor reduction per segment) from the
+gradients as they are then, after whatever changed them since backward (accumulation, a GradScaler's unscaling,
+DDP's averaging, hand edits).
 """
 
 from __future__ import annotations
@@ -30,17 +28,13 @@ def _param_ids(optimizer: torch.optim.Optimizer) -> List[List[int]]:
     return [[id(p) for p in group["params"]] for group in optimizer.param_groups]
 
 
-def _gather_into(layout: FlatLayout, segment: FlatSegment, index: int):
+def _gather_into(segment: FlatSegment, index: int):
     view = segment.grad_views[index]
 
     def gather(param: Tensor) -> None:
-        accumulated = param.grad is view  # backward added into the view in place: one version bump
-        untouched = segment.grad._version == segment.grad_version + accumulated
-        if not accumulated:
+        if param.grad is not view:  # else backward added into the view in place (accumulation)
             view.copy_(param.grad)
             param.grad = view
-        if layout.norms_in_hooks:
-            segment.measure_norm(index, untouched)
 
     return gather
 
@@ -80,36 +74,16 @@ class FlatSegment:
     state: List[Tensor] = field(default_factory=list)  # per state key, then Adam's step vector
     state_views: List[List[Tensor]] = field(default_factory=list)  # what optimizer.state holds, per key
     grad_norms: Optional[Tensor] = None  # each parameter's gradient norm (float32), for clipping by norm
-    measured: List[bool] = field(default_factory=list)  # which of them the hooks took since the last step
-    grad_version: int = -1  # the flat gradient's version counter after the last hook's norm
 
     def __post_init__(self) -> None:
         self.grad_norms = torch.zeros(len(self.params), device=self.grad.device, dtype=torch.float32)
-        self.measured = [False] * len(self.params)
 
     def tensors(self) -> List[Tensor]:
         return [self.param, self.grad, *self.state]
 
-    def measure_norm(self, index: int, untouched: bool) -> None:
-        """Parameter ``index``'s gradient norm, taken as its gradient lands; ``untouched``: nothing wrote the
-        gradients since the previous hook (else every norm measured before is stale)."""
-        if not untouched:
-            self.measured = [False] * len(self.params)
-        torch.linalg.vector_norm(self.grad_views[index], dtype=torch.float32, out=self.grad_norms[index])
-        self.measured[index] = True
-        self.grad_version = self.grad._version
-
-    def hook_norms_current(self) -> bool:
-        """Whether the hooks measured every gradient as it is now."""
-        return all(self.measured) and self.grad._version == self.grad_version
-
     def compute_norms(self) -> None:
         """Every parameter's gradient norm from the gradients as they are now (one multi-tensor reduction)."""
         torch.stack(torch._foreach_norm(self.grad_views, 2, dtype=torch.float32), out=self.grad_norms)
-
-    def forget_norms(self) -> None:
-        """The step used the gradients: norms count again only once the hooks take them anew."""
-        self.measured = [False] * len(self.params)
 
 
 class FlatLayout:
@@ -118,7 +92,6 @@ class FlatLayout:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.segments: List[FlatSegment] = []
-        self.norms_in_hooks = False  # the hooks take each gradient's norm (clipping by norm; set by the step)
         self.frozen: List[Tensor] = []
         for index, group in enumerate(optimizer.param_groups):
             by_kind: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = {}
@@ -146,7 +119,7 @@ class FlatLayout:
     def install_hooks(self) -> None:
         if not self._hooks:
             self._hooks = [
-                param.register_post_accumulate_grad_hook(_gather_into(self, segment, index))
+                param.register_post_accumulate_grad_hook(_gather_into(segment, index))
                 for segment in self.segments
                 for index, param in enumerate(segment.params)
             ]
