@@ -39,6 +39,13 @@ def _gather_into(segment: FlatSegment, index: int):
     return gather
 
 
+def _differ(counts: List[Tensor]) -> bool:
+    """Whether step counts differ, with one device sync (not one per parameter: ``auto``'s trial binds the state
+    again after each eager candidate's step)."""
+    stacked = torch.stack([count.to(counts[0].device, torch.float64) for count in counts])
+    return bool((stacked != stacked[0]).any())
+
+
 def _same_objects(lists: List[List[Tensor]], others: List[List[Tensor]]) -> bool:
     """The very same tensor objects (``==`` on tensors compares values)."""
     pairs = list(zip(lists, others))
@@ -137,7 +144,7 @@ class FlatLayout:
             names = keys[segment.group] + (("step",) if with_step else ())
             if any(name not in state[p] for p in segment.params for name in names):
                 return "a parameter has no optimizer state yet"
-            if with_step and len({float(state[p]["step"]) for p in segment.params}) > 1:
+            if with_step and _differ([state[p]["step"] for p in segment.params]):
                 return f"param group {segment.group}: parameters have different step counts"
         for segment in self.segments:
             names = keys[segment.group] + (("step",) if with_step else ())
