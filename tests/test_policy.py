@@ -89,6 +89,23 @@ def test_every_bundled_policy_composes_through_hydra(name):
     assert policy == to_policy(name)
 
 
+def test_a_bundled_policy_builds_on_another_through_its_defaults(tmp_path, monkeypatch):
+    """dynamic_full lists dynamic in its defaults and keeps only what differs: dynamic's dims (a list it does not
+    repeat) come through, its own rules replace dynamic's (lists are replaced, as Hydra does)."""
+    assert "- dynamic" in (CONF / "compile" / "dynamic_full.yaml").read_text()
+    assert '"@position_ids", dim: 1' not in (CONF / "compile" / "dynamic_full.yaml").read_text()
+    dynamic, dynamic_full = to_policy("dynamic"), to_policy("dynamic_full")
+    assert dynamic_full.shapes.dynamic == dynamic.shapes.dynamic and len(dynamic.shapes.dynamic) == 10
+    assert [r.action for r in dynamic_full.rules] == ["full"] and dynamic_full.name == "dynamic_full"
+    assert dynamic.shapes.pad.multiple_of is None and dynamic_full.shapes.pad.multiple_of == 64
+
+    (tmp_path / "a.yaml").write_text("defaults:\n  - schema\n  - b\n  - _self_\nrules: [{name: '*', action: full}]\n")
+    (tmp_path / "b.yaml").write_text("defaults:\n  - a\n")
+    monkeypatch.setattr("compile_trainer.schema.load.bundled_policy_dir", lambda: tmp_path)
+    with pytest.raises(PolicyError, match=r"compile policy 'a' includes itself: a -> b -> a"):
+        to_policy("a")
+
+
 def test_hydra_rejects_a_typo_in_a_policy_key_and_a_trainer_argument():
     with initialize_config_dir(str(CONF), version_base="1.3"):
         with pytest.raises(ConfigCompositionException, match="backnd"):

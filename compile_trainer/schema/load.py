@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Type, TypeVar
+from typing import Any, Dict, List, Tuple, Type, TypeVar
 
 from compile_trainer.schema.policy import CompilePolicy
 from compile_trainer.schema.sweep import SweepSettings, sweep_settings_problems
@@ -48,16 +48,7 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
         if spec is None:
             spec = "regional"
         if isinstance(spec, str):
-            path = bundled_policy_dir() / f"{spec}.yaml"
-            if not path.is_file():
-                raise PolicyError(
-                    f"unknown compile policy {spec!r}. Bundled policies: {', '.join(bundled_policy_names())}."
-                )
-            loaded = OmegaConf.load(path)
-            loaded.pop("defaults", None)
-            if "name" not in loaded:
-                loaded.name = spec
-            merged = OmegaConf.merge(schema, loaded)
+            merged = OmegaConf.merge(schema, _load_bundled(spec))
         elif isinstance(spec, CompilePolicy):
             merged = OmegaConf.merge(schema, OmegaConf.structured(spec))
         else:
@@ -70,6 +61,28 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
     except OmegaConfBaseException as error:
         raise PolicyError(f"invalid compile policy: {error}") from error
     return validate_policy(OmegaConf.to_object(merged))
+
+
+def _load_bundled(name: str, including: Tuple[str, ...] = ()) -> Any:
+    """Bundled policy ``name`` as Hydra composes it: the bundled policies its ``defaults`` list first (a policy
+    may build on another: ``dynamic_full`` on ``dynamic``), then its own keys; lists are replaced, not appended.
+    The list's other entries (``schema``, ``_self_`` last, recipe overrides) concern Hydra alone."""
+    from omegaconf import OmegaConf
+
+    path = bundled_policy_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise PolicyError(f"unknown compile policy {name!r}. Bundled policies: {', '.join(bundled_policy_names())}.")
+    if name in including:
+        raise PolicyError(f"compile policy {name!r} includes itself: {' -> '.join((*including, name))}.")
+    loaded = OmegaConf.load(path)
+    bases = [entry for entry in loaded.pop("defaults", None) or [] if isinstance(entry, str)]
+    merged = OmegaConf.create()
+    for base in bases:
+        if base not in ("schema", "_self_"):
+            merged = OmegaConf.merge(merged, _load_bundled(base, (*including, name)))
+    merged = OmegaConf.merge(merged, loaded)
+    merged.name = loaded.get("name", name)
+    return merged
 
 
 def policy_to_dict(policy: CompilePolicy) -> Dict[str, Any]:
