@@ -486,6 +486,21 @@ def test_auto_times_the_compiled_candidate_with_its_gradient_copy(candidates):
         assert all(p.grad._base is None for p in model.parameters()), "backward's own gradient tensors"
 
 
+def test_auto_trial_eager_candidates_read_gradients_where_backward_left_them():
+    """As in training: torch's steps read backward's own gradient tensors; only the compiled candidate's calls
+    gather them into its flat buffer (and pay for it in their timing)."""
+    model = tiny_model()
+    optimizer = OPTIMIZERS["AdamW"](groups_of(model))
+    flat_grads = []  # at each step: whether every gradient is a view of a flat buffer
+    optimizer.register_step_pre_hook(lambda *_: flat_grads.append(all(p.grad._base is not None for p in params)))
+    params = list(model.parameters())
+    policy = {"compile": "auto", "auto_candidates": ["foreach", "compiled"], "auto_steps": 2, "backend": "aot_eager"}
+    step = compile_optimizer(optimizer, policy)
+    train(model, optimizer, None, 7)
+    # the state-creating step, the warm-ups (foreach, compiled), then two rounds of foreach, compiled
+    assert flat_grads[:7] == [True, True, True, False, True, False, True] and step.choice is not None
+
+
 def test_auto_with_one_eager_candidate_restores_the_optimizer_step():
     model = tiny_model()
     optimizer = OPTIMIZERS["SGD-nesterov"](groups_of(model))
