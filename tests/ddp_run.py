@@ -10,6 +10,7 @@ of the global batch (Lightning's DistributedSampler, no shuffle): N ranks of ``b
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -128,6 +129,7 @@ def main() -> None:
     parser.add_argument("--backend", default="eager")
     parser.add_argument("--optimizer", default="false", help="the policy's optimizer.compile")
     parser.add_argument("--clip", type=float, help="the Trainer's gradient_clip_val (by norm)")
+    parser.add_argument("--auto-steps", type=int, default=3, help="optimizer.compile auto: timed steps per candidate")
     parser.add_argument("--consistent-dynamic-shapes", action="store_true")
     parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
     parser.add_argument("--cache", help="a compile cache directory (read-write)")
@@ -139,7 +141,7 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer}}
+    overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer, "auto_steps": args.auto_steps}}
     if args.policy in ("buckets",):
         overrides["shapes"] = {"pad": {"buckets": [8, 16]}}
     if args.policy == "buckets_auto":
@@ -171,6 +173,8 @@ def main() -> None:
     weights = {name: getattr(p, "full_tensor", p.detach)().detach().tolist() for name, p in module.named_parameters()}
     summary = callback.summary()  # every rank's own, for the cache: each reads, rank 0 alone writes
     Path(f"{args.out}.rank{trainer.global_rank}").write_text(json.dumps(summary, default=str))
+    choices = [dataclasses.asdict(step.choice) for step in callback.optimizer_steps if step.choice is not None]
+    Path(f"{args.out}.optimizer_choices.rank{trainer.global_rank}").write_text(json.dumps(choices))
     if trainer.global_rank != 0:
         return
     if checkpoint.is_dir():  # FSDP2: a distributed checkpoint (a shard per rank), gathered into one file here

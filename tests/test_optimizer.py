@@ -524,11 +524,14 @@ def failing_backend(graph_module, example_inputs):
 def test_auto_drops_a_compiled_candidate_that_fails_to_compile():
     eager, model = tiny_model(), tiny_model()
     optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
-    train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 8)
+    train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 10)
     optimizer = OPTIMIZERS["AdamW"](groups_of(model))
     policy = {"compile": "auto", "auto_candidates": ["compiled", "foreach"], "backend": "failing_backend"}
     step = compile_optimizer(optimizer, policy)
-    train(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), 8)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
+    train(model, optimizer, scheduler, 8)
+    assert step.choice is None, "the failed candidate's turns still run (eagerly): a trial as long on every rank"
+    train(model, optimizer, scheduler, 2, first_step=8)
     assert step.choice.chosen == "foreach" and set(step.choice.step_ms) == {"foreach"}
     assert "compile failed" in step.choice.skipped["compiled"] and "cannot compile anything" in step.choice.describe()
     assert_same_params(eager, model)

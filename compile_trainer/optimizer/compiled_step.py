@@ -350,22 +350,27 @@ class _AutoTrial:
         name, timed = self.schedule.pop(0)
         self._begun = True
         owner = self.owner
-        try:
-            if name == "compiled":
-                owner.compiled_update()
-            else:
-                owner.eager_step(f"auto is timing {name}", name)
-        except Exception as error:  # a compile that fails leaves the other candidates to choose from
-            if name != "compiled" or timed or len(self.timings) == 1:
-                raise
-            self._drop_compiled(error)
-            owner.eager_step("auto: the compiled candidate failed")
+        if name not in self.timings:  # dropped: its turns still run (eagerly), so every rank's trial is as long
+            owner.eager_step(f"auto: the {name} candidate {self.skipped[name].split(':')[0]}")
+            timed = False
         else:
-            if timed:
-                self.timings[name].append(_stop_clock(owner.device, self._started))
+            try:
+                if name == "compiled":
+                    owner.compiled_update()
+                else:
+                    owner.eager_step(f"auto is timing {name}", name)
+            except Exception as error:  # a compile that fails leaves the other candidates to choose from
+                if name != "compiled" or timed or len(self.timings) == 1:
+                    raise
+                self._drop_compiled(error)
+                owner.eager_step("auto: the compiled candidate compile failed")
+                timed = False
+        if timed:
+            self.timings[name].append(_stop_clock(owner.device, self._started))
         if not self.schedule:
             # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
             step_ms = {name: 1000 * min(read() for read in reads) for name, reads in self.timings.items()}
+            step_ms = _slowest_across_ranks(step_ms, owner.policy.auto_candidates, owner.device)
             chosen = min(step_ms, key=step_ms.__getitem__)
             choice = OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
             owner.choose(dataclasses.replace(choice, clipping=owner.clipping))
@@ -375,7 +380,19 @@ class _AutoTrial:
         self.skipped["compiled"] = f"compile failed: {type(error).__name__}: {message}"
         log.warning("optimizer %s: auto: %s", type(self.owner.optimizer).__name__, self.skipped["compiled"])
         del self.timings["compiled"]
-        self.schedule = [entry for entry in self.schedule if entry[0] != "compiled"]
+
+
+def _slowest_across_ranks(step_ms: Dict[str, float], candidates: Sequence[str], device: torch.device):
+    """Under a process group of several ranks, each candidate's slowest time over the ranks (a candidate some rank
+    could not time is out everywhere), so that every rank chooses the same: replicas updated by different kernels
+    would drift apart, as DDP never synchronizes parameters."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1):
+        return step_ms
+    on = device if distributed.get_backend() == "nccl" else torch.device("cpu")
+    times = torch.tensor([step_ms.get(name, float("inf")) for name in candidates], dtype=torch.float64, device=on)
+    distributed.all_reduce(times, op=distributed.ReduceOp.MAX)
+    return {name: ms for name, ms in zip(candidates, times.tolist()) if ms != float("inf")}
 
 
 def compile_optimizer(
