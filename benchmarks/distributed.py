@@ -76,8 +76,17 @@ def worker(args: argparse.Namespace) -> None:
     )  # fmt: skip
     trainer.fit(module)
     summary = callback.summary()
-    if trainer.global_rank != 0:
-        return
+    if trainer.global_rank == 0:
+        Path(args.out).write_text(json.dumps(result_row(args, summary)))
+    if torch.distributed.is_initialized():
+        # Every rank leaves the group before exiting: left to interpreter teardown, gloo's threads have aborted
+        # a rank ("terminate called without an active exception", once in a CI rehearsal).
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, Any]:
+    """Rank 0's row: throughput over all ranks, and the ranks' first steps, compile times and recompiles."""
     ranks = summary.get("ranks") or {
         "first_step_time_s_min": summary.get("first_step_time_s"),
         "first_step_time_s_max": summary.get("first_step_time_s"),
@@ -86,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         "divergent_recompile_ranks": [],
     }
     per_rank = summary.get("steady_samples_per_s")
-    row = {
+    return {
         "strategy": args.strategy,
         "policy": args.policy,
         "gpus": args.gpus,
@@ -98,7 +107,6 @@ def worker(args: argparse.Namespace) -> None:
         "divergent_ranks": ranks["divergent_recompile_ranks"],
         "error": None,
     }
-    Path(args.out).write_text(json.dumps(row))
 
 
 def run_one(args: argparse.Namespace, strategy: str, policy: str, gpus: int, folder: Path) -> Dict[str, Any]:
