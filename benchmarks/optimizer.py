@@ -421,9 +421,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     earlier_rows, earlier_notes = earlier_result(args)
     title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
 
+    floor = copy_floor(param_bytes, device)
+
     def save() -> List[Dict[str, Any]]:
         """Written after every variant, so a run cut short still leaves what it measured."""
-        finished = with_ratios(earlier_rows + rows) + [copy_floor(param_bytes, device)]
+        finished = with_ratios(earlier_rows + rows) + [floor]
         notes = notes_for(finished, args, params, param_bytes)
         notes = earlier_notes + [note for note in notes if note not in earlier_notes]
         write_result(args.out, "optimizer", title, COLUMNS, finished, notes)

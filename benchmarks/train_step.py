@@ -367,6 +367,8 @@ def optimizer_step_as(how: str):
     under mixed precision), ``none`` runs Lightning's closure (forward, backward) and no update."""
     import lightning.pytorch as pl
 
+    from compile_trainer import compat
+
     class OptimizerStepAs(pl.Callback):
         def on_train_start(self, trainer, pl_module):
             for optimizer in trainer.optimizers:
@@ -378,7 +380,7 @@ def optimizer_step_as(how: str):
                         torch.nn.utils.clip_grad_norm_(pl_module.parameters(), 1.0)
                         own_step()
                     else:
-                        optimizer._opt_called = True  # the LR scheduler sees a step
+                        compat.mark_optimizer_stepped(optimizer)  # the LR scheduler sees a step
                     return loss
 
                 optimizer.step = step

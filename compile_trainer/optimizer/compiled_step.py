@@ -350,10 +350,7 @@ class _AutoTrial:
         name, timed = self.schedule.pop(0)
         self._begun = True
         owner = self.owner
-        if name not in self.timings:  # dropped: its turns still run (eagerly), so every rank's trial is as long
-            owner.eager_step(f"auto: the {name} candidate {self.skipped[name].split(':')[0]}")
-            timed = False
-        else:
+        if name in self.timings:
             try:
                 if name == "compiled":
                     owner.compiled_update()
@@ -363,9 +360,9 @@ class _AutoTrial:
                 if name != "compiled" or timed or len(self.timings) == 1:
                     raise
                 self._drop_compiled(error)
-                owner.eager_step("auto: the compiled candidate compile failed")
-                timed = False
-        if timed:
+        if name not in self.timings:  # a dropped candidate's turns still run, eagerly: every rank's trial is as long
+            owner.eager_step("auto: the compiled candidate failed")
+        elif timed:
             self.timings[name].append(_stop_clock(owner.device, self._started))
         if not self.schedule:
             # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
