@@ -14,9 +14,9 @@ the training rows; or split in two, ``--append`` adding to the first's file):
     python benchmarks/optimizer.py --no-end-to-end --out benchmarks/results/optimizer.json
     python benchmarks/optimizer.py --only-end-to-end --append --out benchmarks/results/optimizer.json
 
-CPU smoke run (tiny model, aot_eager backend), as CI runs it:
+CPU smoke run (tiny model, aot_eager backend, the Triton kernel interpreted), as CI runs it:
 
-    python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json
+    TRITON_INTERPRET=1 python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json
 
 Every variant starts from the same parameters, gradients and optimizer state, with fresh Inductor caches, and
 runs the same warm-up + cosine LR schedule (stepped after every optimizer step, outside the timed region).
@@ -78,18 +78,27 @@ LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
 PASSES = 7  # AdamW moves 7 x the parameter bytes per step
 PARITY_STEP = 100  # parameters compared with the reference after this many steps, and at the end
 CLIPPED = " + clip"  # every variant that clips gradients by norm has this in its name
+# ``compile_trainer``: the Triton kernel (what ``kernel: auto`` runs on a GPU; on the CPU smoke run, through
+# Triton's interpreter: TRITON_INTERPRET=1); ``inductor``: the torch.compile'd update over flat gradient buffers,
+# which reduce-overhead (CUDA graphs) also uses; ``auto`` (the kernel too) as a user gets it.
+TRITON = {"compile": "true", "kernel": "triton"}
+INDUCTOR = {"compile": "true", "kernel": "inductor"}
 POLICIES = {
-    "compile_trainer": OptimizerPolicy(compile="true"),
-    "compile_trainer + clip": OptimizerPolicy(compile="true", clip_grad_norm=MAX_NORM),
+    "compile_trainer": OptimizerPolicy(**TRITON),
+    "compile_trainer + clip": OptimizerPolicy(**TRITON, clip_grad_norm=MAX_NORM),
+    "compile_trainer inductor": OptimizerPolicy(**INDUCTOR),
+    "compile_trainer inductor + clip": OptimizerPolicy(**INDUCTOR, clip_grad_norm=MAX_NORM),
     "compile_trainer reduce-overhead + clip": OptimizerPolicy(
         compile="true", mode="reduce-overhead", clip_grad_norm=MAX_NORM
     ),
     "compile_trainer auto + clip": OptimizerPolicy(compile="auto", clip_grad_norm=MAX_NORM),
-    "compile_trainer + clip, gradients already in the buffer": OptimizerPolicy(compile="true", clip_grad_norm=MAX_NORM),
+    "compile_trainer inductor + clip, gradients already in the buffer": OptimizerPolicy(
+        **INDUCTOR, clip_grad_norm=MAX_NORM
+    ),
 }
 # The step alone, as in training, where the hooks gather gradients into the flat buffer during backward: the
 # gradients are set once, so no step after the first copies them (the other rows pay that copy in the step).
-GATHERED_IN_BACKWARD = ("compile_trainer + clip, gradients already in the buffer",)
+GATHERED_IN_BACKWARD = ("compile_trainer inductor + clip, gradients already in the buffer",)
 # torch's single-tensor AdamW (+ clip_grad_norm_ over the same for-loop): the implementation the compiled update
 # follows op for op, and every variant's parity reference (fused is another rounding of the same update).
 EAGER = "eager for-loop"
@@ -109,6 +118,7 @@ GPU_ONLY = ("compile_trainer reduce-overhead + clip",)
 IN_TRAINING = " (in training)"
 BACKWARD_ALONE = "backward alone" + IN_TRAINING
 TRAINING_ROADS = ("fused", "fused + clip", "compile_trainer", "compile_trainer + clip")
+TRAINING_ROADS += ("compile_trainer inductor", "compile_trainer inductor + clip")
 TRAINING_VARIANTS = (BACKWARD_ALONE, *(road + IN_TRAINING for road in TRAINING_ROADS))
 # The recipe's GPT-2 small trained end to end by Lightning (benchmarks/train_step.py variants, bf16, regional),
 # on the GPU only: a real backward, where the hooks' copies run between the model's own kernels. The
@@ -122,6 +132,10 @@ END_TO_END = {
     "foreach + clip, gradient_clip_val" + END_TO_END_SUFFIX: "lightning_regional_clip_foreach",
     "compile_trainer" + END_TO_END_SUFFIX: "lightning_regional_compiled_optimizer",
     "compile_trainer + clip, gradient_clip_val" + END_TO_END_SUFFIX: "lightning_regional_clip_compiled_optimizer",
+    "compile_trainer inductor" + END_TO_END_SUFFIX: "lightning_regional_compiled_optimizer_inductor",
+    "compile_trainer inductor + clip, gradient_clip_val" + END_TO_END_SUFFIX: (
+        "lightning_regional_clip_compiled_optimizer_inductor"
+    ),
     "compile_trainer auto" + END_TO_END_SUFFIX: "lightning_regional_auto_optimizer",
     "compile_trainer auto + clip, gradient_clip_val" + END_TO_END_SUFFIX: "lightning_regional_clip_auto_optimizer",
 }
@@ -281,7 +295,10 @@ def run_variant(
         compiled_step = optimizer.__dict__.get("step") if optimizer else None
         warmup = warmup_steps(optimizer) if optimizer else 2
         timer, host_ms, snapshots = StepTimer(device), [], []
+        kernels_at_warmup = 0
         for index in range(args.steps):
+            if index == warmup:
+                kernels_at_warmup = len(getattr(getattr(compiled_step, "update", None), "specializations", ()))
             if index == min(PARITY_STEP, args.steps - 1):
                 snapshots.append([p.detach().clone() for p in params])
             if training:
@@ -322,7 +339,13 @@ def run_variant(
     row["recompiles"] = sum(1 for m in compiles if is_recompile(m))
     row["graph_breaks"] = sum(counters["graph_break"].values()) - breaks_before
     if isinstance(compiled_step, CompiledOptimizerStep):
-        row["compile_kwargs"] = {k: v for k, v in compiled_step.compile_kwargs.items() if v is not None}
+        update = compiled_step.update
+        row["kernel"] = update.describe()
+        if update.name == "inductor":
+            row["compile_kwargs"] = {k: v for k, v in update.compile_kwargs.items() if v is not None}
+        else:  # Triton compiles a kernel per set of compile-time constants: one after the first steps recompiled
+            row["kernels_compiled"] = len(update.specializations)
+            row["recompiles"] += len(update.specializations) - kernels_at_warmup
         row["compiled_steps"], row["eager_steps"] = compiled_step.compiled_steps, compiled_step.eager_steps
         row["auto_choice"] = asdict(compiled_step.choice) if compiled_step.choice else None
     return row, [*snapshots, [p.detach() for p in params]]
@@ -373,6 +396,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     )
     parser.add_argument("--only-end-to-end", action="store_true", help="only the GPT-2 small training rows")
     parser.add_argument(
+        "--end-to-end-rows", nargs="+", choices=list(END_TO_END), help="which training rows (default: all)"
+    )
+    parser.add_argument(
         "--append", action="store_true", help="keep --out's rows that this run does not measure (a run split in two)"
     )
     args = parser.parse_args(argv)
@@ -384,6 +410,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     args.end_to_end = args.device.type == "cuda" if args.end_to_end is None else args.end_to_end
     if args.only_end_to_end:
         args.variants, args.end_to_end = [], True
+    args.end_to_end_rows = args.end_to_end_rows or list(END_TO_END)
     return args
 
 
@@ -393,7 +420,7 @@ def earlier_result(args: argparse.Namespace) -> Tuple[List[Dict[str, Any]], List
     if not (args.append and args.out.exists()):
         return [], []
     earlier = json.loads(args.out.read_text())
-    measured = set(args.variants) | (set(END_TO_END) if args.end_to_end else set())
+    measured = set(args.variants) | (set(args.end_to_end_rows) if args.end_to_end else set())
     current = {*VARIANTS, *TRAINING_VARIANTS, *END_TO_END} - measured  # rows of variants since renamed are dropped
     rows = [row for row in earlier["rows"] if row["variant"] in current]
     notes = [note for note in earlier["notes"] if not note.startswith("rows measured by: ")]
@@ -449,7 +476,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         print(f"{variant}: {time.perf_counter() - started:.1f} s, {rows[-1]}", flush=True)
         save()
     references.clear()
-    for name, variant in END_TO_END.items() if args.end_to_end else ():
+    for name in args.end_to_end_rows if args.end_to_end else ():
+        variant = END_TO_END[name]
         rows.append(train_end_to_end(name, variant, args))
         print(f"{name}: {rows[-1]}", flush=True)
         save()

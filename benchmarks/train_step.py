@@ -107,7 +107,7 @@ VARIANTS = {
     ),
     "lightning_regional_clip_compiled_optimizer": Variant(
         "lightning",
-        "policy regional, compiled optimizer step (clipping inside), gradient_clip_val=1.0",
+        "policy regional, compiled optimizer step (Triton on CUDA; clipping inside), gradient_clip_val=1.0",
         "regional",
         (("optimizer", {"compile": "true"}),),
         trainer=CLIP_TRAINER,
@@ -117,7 +117,23 @@ VARIANTS = {
         "lightning", "policy regional, fused AdamW, clip_grad_norm_(1.0) before the step", "regional", step="clip"
     ),
     "lightning_regional_compiled_optimizer": Variant(
-        "lightning", "policy regional, compiled optimizer step", "regional", (("optimizer", {"compile": "true"}),)
+        "lightning",
+        "policy regional, compiled optimizer step (kernel auto: Triton on CUDA)",
+        "regional",
+        (("optimizer", {"compile": "true"}),),
+    ),
+    "lightning_regional_compiled_optimizer_inductor": Variant(
+        "lightning",
+        "policy regional, compiled optimizer step (Inductor over flat gradient buffers)",
+        "regional",
+        (("optimizer", {"compile": "true", "kernel": "inductor"}),),
+    ),
+    "lightning_regional_clip_compiled_optimizer_inductor": Variant(
+        "lightning",
+        "policy regional, compiled optimizer step (Inductor, clipping inside), gradient_clip_val=1.0",
+        "regional",
+        (("optimizer", {"compile": "true", "kernel": "inductor"}),),
+        trainer=CLIP_TRAINER,
     ),
     "lightning_regional_auto_optimizer": Variant(
         "lightning", "policy regional, optimizer compile: auto", "regional", (("optimizer", {"compile": "auto"}),)

@@ -1,9 +1,15 @@
 import os
 
-import lightning.pytorch as pl
-import pytest
 import torch
-from torch import nn
+
+# Without a GPU, the optimizer's Triton kernel runs through Triton's interpreter (tests/test_optimizer_triton.py).
+# Set before lightning imports triton: triton.jit reads it when it decorates (triton's own library included).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import lightning.pytorch as pl  # noqa: E402
+import pytest  # noqa: E402
+from torch import nn  # noqa: E402
 
 from recipes.gpt import GPT, GPTConfig
 

@@ -124,7 +124,7 @@ def test_parameters_match_eager_with_warmup_cosine(name):
     step = compile_optimizer(optimizer, {"compile": "true", "backend": "aot_eager"})
     post_hook_calls = []
     optimizer.register_step_post_hook(lambda *_: post_hook_calls.append(1))
-    compiles = CompileLog(step.entry_name)
+    compiles = CompileLog(step.update.entry_name)
     train(compiled, optimizer, scheduler, STEPS)
 
     assert_same_params(eager, compiled)
@@ -144,7 +144,7 @@ def test_inductor_step_with_clipping_never_recompiles_over_200_scheduled_steps()
         schedules.append(torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=steps))
     policy = {"compile": "true", "clip_grad_norm": max_norm}
     step = compile_optimizer(schedules[1].optimizer, policy, backend="inductor")
-    graphs_before, compiles = counters["stats"]["unique_graphs"], CompileLog(step.entry_name)
+    graphs_before, compiles = counters["stats"]["unique_graphs"], CompileLog(step.update.entry_name)
     norms = train(eager, schedules[0].optimizer, schedules[0], steps, clip=lambda ps: clip_grad_norm_(ps, max_norm))
     train(compiled, schedules[1].optimizer, schedules[1], steps)
     assert 0 < sum(n > max_norm for n in norms) < steps, "steps with and without clipping"
@@ -257,7 +257,7 @@ def test_clipping_norm_is_of_the_gradients_as_they_are_at_the_step():
     assert torch.allclose(step.grad_norm, expected_by_hand, rtol=1e-6) and not torch.allclose(
         expected, expected_by_hand
     )
-    ids = CompileLog(step.entry_name)
+    ids = CompileLog(step.update.entry_name)
     backward()
     optimizer.step()
     assert ids.compile_ids() == [], "gradients from backward or set by hand: the same compiled graph"
@@ -346,7 +346,7 @@ def test_plateau_schedule_and_changed_weight_decay_do_not_recompile():
     optimizer = torch.optim.SGD(groups_of(model), lr=0.1, momentum=0.9, weight_decay=0.0)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
     step = compile_optimizer(optimizer, {"compile": "true", "backend": "eager"})
-    compiles = CompileLog(step.entry_name)
+    compiles = CompileLog(step.update.entry_name)
     for index in range(12):
         train(model, optimizer, None, 1, first_step=index)
         plateau.step(float(index))  # a rising metric: the LR halves every step
@@ -703,6 +703,7 @@ def test_lightning_unsupported_optimizer_fails_before_training():
 
 
 def test_benchmark_smoke_runs_without_config_packages(tmp_path):
+    """The Triton rows run through Triton's interpreter (TRITON_INTERPRET=1, from conftest.py)."""
     out = tmp_path / "optimizer.json"
     command = [sys.executable, "-c", WITHOUT_CONFIG_PACKAGES, "benchmarks/optimizer.py", "--smoke", "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -712,14 +713,25 @@ def test_benchmark_smoke_runs_without_config_packages(tmp_path):
     rows = {row["variant"]: row for row in data["rows"]}
     expected = {"foreach", "fused", "fused + clip", "torch.compile(opt.step)", "torch.compile(opt.step) + clip"}
     expected |= {"compile_trainer", "compile_trainer + clip", "compile_trainer auto + clip", "copy floor"}
-    expected |= {"compile_trainer + clip, gradients already in the buffer", "eager for-loop", "eager for-loop + clip"}
+    expected |= {
+        "compile_trainer inductor",
+        "compile_trainer inductor + clip",
+        "eager for-loop",
+        "eager for-loop + clip",
+    }
+    expected |= {"compile_trainer inductor + clip, gradients already in the buffer"}
     in_training = ["fused", "fused + clip", "compile_trainer", "compile_trainer + clip"]
+    in_training += ["compile_trainer inductor", "compile_trainer inductor + clip"]
     expected |= {f"{road} (in training)" for road in ["backward alone", *in_training]}
     assert set(rows) == expected and data["benchmark"] == "optimizer"
     assert not any(row.get("error") for row in rows.values()), [row.get("error") for row in rows.values()]
     for name in [name for name in rows if name.startswith("compile_trainer") and "auto" not in name]:
-        ours = rows[name]
-        assert ours["recompiles"] == 0 and ours["frames_compiled"] == 1 and ours["compiled_steps"] == 19
+        ours, triton = rows[name], "inductor" not in name
+        assert ours["recompiles"] == 0 and ours["compiled_steps"] == 19
+        assert ours["frames_compiled"] == (0 if triton else 1) and ours.get("kernels_compiled") == (
+            2 if triton else None
+        )
+        assert ours["kernel"].startswith("Triton kernel" if triton else "torch.compile backend=aot_eager")
         assert ours["max_rel_diff_at_100"] < 1e-6 and ours["max_abs_diff"] < 1e-6, "as the for-loop AdamW"
         assert ours["step_ms"] > 0 and ours["vs_fused"] > 0 and ours["ratio"] == pytest.approx(1 / ours["vs_fused"])
     assert rows["eager for-loop + clip"]["max_abs_diff"] == 0.0, "the clipped rows' parity reference"

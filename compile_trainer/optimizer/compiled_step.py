@@ -1,15 +1,18 @@
-"""Compiled optimizer steps: one compiled update over flat buffers, tensor hyperparameters, standard state,
-gradient clipping in the same compiled function.
+"""Compiled optimizer steps: one compiled update over flat buffers, hyperparameters that never recompile,
+standard state, gradient clipping in the same update.
 
 ``compile_optimizer(optimizer, policy)`` replaces ``optimizer.step`` with a ``CompiledOptimizerStep``:
 
-- the closure Lightning passes (forward, backward) runs eagerly under ``enable_grad``, then one compiled
-  function clips the gradients (by norm or value, when asked) and updates every parameter;
-- parameters, gradients and state are views into a few flat buffers (``compile_trainer.optimizer.flat``), so
-  the compiled function takes a handful of tensors: few kernels, few guards, a short compile;
-- learning rate, betas/momentum, eps and weight decay of every group are copied each step from the
-  param groups (plain Python floats, so schedulers, ``state_dict`` and loggers see the usual values) into
-  one float64 tensor that the compiled function reads: a scheduler changing them never recompiles;
+- the closure Lightning passes (forward, backward) runs eagerly under ``enable_grad``, then the compiled update
+  clips the gradients (by norm or value, when asked) and updates every parameter;
+- parameters and state are views into a few flat buffers (``compile_trainer.optimizer.flat``), so the update
+  takes a handful of tensors: few kernels, few guards, a short compile;
+- the update is one of two (``optimizer.kernel``): a Triton kernel per segment that reads each gradient where
+  backward left it (``triton_update.py``; CUDA), or a ``torch.compile``d function over flat gradient buffers
+  that backward's hooks fill (``inductor_update.py``; any device, CUDA graphs);
+- learning rate, betas/momentum, eps and weight decay of every group are read each step from the param groups
+  (plain Python floats, so schedulers, ``state_dict`` and loggers see the usual values) and reach the update as
+  kernel arguments or one float64 tensor: a scheduler changing them never recompiles;
 - the optimizer state is the optimizer's own (``exp_avg``, ``exp_avg_sq``, ``step``, ``momentum_buffer``),
   created by the optimizer's own eager step the first time a parameter gets a gradient, so checkpoints load
   into an eager optimizer and back. Step counts live on the parameters' device (as ``capturable=True`` and
@@ -27,19 +30,23 @@ the first steps, keeps the fastest, and reports an ``OptimizerChoice``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import time
-import types
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from compile_trainer import compat
-from compile_trainer.compiling.regions import ENTRY_PREFIX, compile_kwargs, renamed_function
-from compile_trainer.optimizer.algorithms import ADAM, Clipping, algorithm_for, update_segments
+from compile_trainer.compiling.regions import compile_kwargs
+from compile_trainer.optimizer.algorithms import ADAM, SGD, Clipping, algorithm_for
 from compile_trainer.optimizer.flat import FlatLayout
+from compile_trainer.optimizer.inductor_update import InductorUpdate
 from compile_trainer.schema import OptimizerPolicy, PolicyError, optimizer_settings, validate_optimizer_policy
+
+if TYPE_CHECKING:
+    from compile_trainer.optimizer.triton_update import TritonUpdate
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +100,38 @@ def _stop_clock(device: torch.device, started: Any) -> Callable[[], float]:
     return lambda: seconds
 
 
-def _entry_function(optimizer: torch.optim.Optimizer) -> types.FunctionType:
-    """``update_segments`` under its own code object, named like the regions' entries
-    (``compiled_region__optimizer_step_AdamW``): its own Dynamo cache, and the compile telemetry attributes
-    its compiles and recompiles to an ``optimizer_step_AdamW`` row."""
-    return renamed_function(update_segments, f"{ENTRY_PREFIX}optimizer_step_{type(optimizer).__name__}")
+def triton_unavailable_reason(device: torch.device, algorithm) -> Optional[str]:
+    """Why the Triton update cannot run here (``None`` when it can)."""
+    if algorithm not in (ADAM, SGD):
+        return "no Triton kernel for this optimizer"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    try:
+        from compile_trainer.optimizer import triton_update
+    except Exception as error:  # a triton that does not match this torch
+        return f"triton does not import: {type(error).__name__}: {error}"
+    if device.type != "cuda" and not triton_update.interpreted():
+        return f"parameters on {device.type} (the Triton kernel runs on CUDA devices)"
+    return None
+
+
+def _choose_kernel(policy: OptimizerPolicy, algorithm, device: torch.device) -> Tuple[str, Optional[str]]:
+    """The update to run (``triton`` or ``inductor``) and, when ``kernel: auto`` passed Triton over, why."""
+    if policy.kernel == "inductor":
+        return "inductor", None
+    if policy.kernel == "triton":
+        reason = triton_unavailable_reason(device, algorithm)
+        if reason:
+            raise PolicyError(f"optimizer.kernel=triton: {reason}. Use kernel: inductor (any device) or auto.")
+        return "triton", None
+    if device.type != "cuda":
+        return "inductor", None  # the Triton kernel is for CUDA devices (its interpreter only for tests)
+    reason = triton_unavailable_reason(device, algorithm)
+    if reason is None and policy.mode is not None:
+        reason = f"the optimizer section asks for mode={policy.mode}, a torch.compile setting"
+    if reason:
+        return "inductor", f"optimizer update compiled by Inductor, not the Triton kernel: {reason}"
+    return "triton", None
 
 
 class CompiledOptimizerStep:
@@ -118,19 +152,17 @@ class CompiledOptimizerStep:
         self.algorithm = algorithm_for(optimizer)
         self.policy = policy
         self.device = _optimizer_device(optimizer)
-        self.compile_kwargs, self.notes = compile_kwargs(optimizer_settings(policy, backend), self.device)
-        entry = _entry_function(optimizer)
-        self.entry_name = entry.__name__  # the code name Dynamo's compilation metrics report
-        self._compiled = torch.compile(entry, **self.compile_kwargs)
-        # float64 keeps bias corrections as exact as torch's Python-float path; MPS has no float64.
-        self._hyper_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.hyper = torch.zeros(0, device=self.device, dtype=self._hyper_dtype)
-        self._hyper_values: Optional[List[List[float]]] = None
-        self.layout = FlatLayout(optimizer)
-        for segment in self.layout.segments:
-            compat.mark_static_address(segment.param)  # CUDA graphs need not copy them
-            compat.mark_static_address(segment.grad)
-            compat.mark_static_address(segment.grad_norms)
+        kernel, note = _choose_kernel(policy, self.algorithm, self.device)
+        self.layout = FlatLayout(optimizer, flat_grads=kernel == "inductor")
+        self.update: Union[InductorUpdate, TritonUpdate]
+        if kernel == "triton":
+            from compile_trainer.optimizer.triton_update import TritonUpdate
+
+            self.update, self.notes = TritonUpdate(optimizer, self.algorithm, self.layout), []
+        else:
+            kwargs, self.notes = compile_kwargs(optimizer_settings(policy, backend), self.device)
+            self.update = InductorUpdate(optimizer, self.algorithm, self.layout, kwargs)
+        self.notes += [note] if note else []
         self.clip: Clipping = (None, None)
         self.grad_norm = torch.zeros((), device=self.device, dtype=torch.float32)
         compat.mark_static_address(self.grad_norm)
@@ -190,12 +222,7 @@ class CompiledOptimizerStep:
         if not self.layout.bound:
             flags = [self.algorithm.flags(self.optimizer, group) for group in self.optimizer.param_groups]
             keys = [self.algorithm.state_keys(group_flags) for group_flags in flags]
-            reason = self.layout.bind_state(keys, self.algorithm.has_step)
-            if reason is None:
-                for segment in self.layout.segments:
-                    for tensor in segment.state:
-                        compat.mark_static_address(tensor)  # CUDA graphs need not copy them
-            return reason
+            return self.layout.bind_state(keys, self.algorithm.has_step)
         return None
 
     def eager_step(self, reason: str, flags: Optional[str] = None) -> None:
@@ -220,31 +247,11 @@ class CompiledOptimizerStep:
         pre_hooks, post_hooks = compat.optimizer_step_hooks(optimizer)
         for hook in pre_hooks:
             hook(optimizer, (), {})
-        flags = self._write_hyper()
-        segments = self.layout.segments
-        clip_norm = self.clip[0] is not None
         with torch.no_grad():
-            self._compiled(
-                [segment.tensors() for segment in segments],
-                self.hyper,
-                tuple(segment.group for segment in segments),
-                flags,
-                self.clip,
-                self.grad_norm if clip_norm else None,
-                self._grad_norms() if clip_norm else None,
-                self.algorithm.update_segment,
-            )
+            self.update.run(self.clip, self.grad_norm)
         self.compiled_steps += 1
         for hook in post_hooks:
             hook(optimizer, (), {})
-
-    def _grad_norms(self) -> List[torch.Tensor]:
-        """Each segment's per-parameter gradient norms, taken now with one multi-tensor reduction. (A norm
-        kernel per parameter in the gradient hooks, as backward produced each gradient, cost GPT-2 small's training
-        step 0.35 ms more on an H100: benchmarks/results/experiments/optimizer_clip_norms_hooks_vs_step_gpt2_small.)"""
-        for segment in self.layout.segments:
-            segment.compute_norms()
-        return [segment.grad_norms for segment in self.layout.segments]
 
     def remove(self) -> None:
         """Restore the optimizer's own step (state, flags and the flat buffers' views stay as they are)."""
@@ -256,17 +263,6 @@ class CompiledOptimizerStep:
         compat.set_step_handles_amp_scaling(optimizer, any(g.get("fused") for g in optimizer.param_groups))
         self._load_hook.remove()
         self.layout.remove_hooks()
-
-    def _write_hyper(self) -> Tuple[Tuple[bool, ...], ...]:
-        groups = self.optimizer.param_groups
-        values = [self.algorithm.hyper(group) for group in groups]
-        if values != self._hyper_values:
-            if self.hyper.shape[0] != len(values):
-                self.hyper = torch.zeros(len(values), len(values[0]), device=self.device, dtype=self._hyper_dtype)
-                compat.mark_static_address(self.hyper)
-            self.hyper.copy_(torch.tensor(values, dtype=self._hyper_dtype), non_blocking=True)
-            self._hyper_values = values
-        return tuple(self.algorithm.flags(self.optimizer, group) for group in groups)
 
     def _keep_steps_on_device(self) -> None:
         """Adam's step counts on the parameters' device, where the compiled update reads them."""
@@ -447,13 +443,11 @@ def describe_steps(steps: Sequence[CompiledOptimizerStep]) -> str:
     """One line per compiled optimizer step, for the plan printed at fit start."""
     lines = []
     for step in steps:
-        kwargs = step.compile_kwargs
         params = sum(len(g["params"]) for g in step.optimizer.param_groups)
         mode = "auto: timing " + ", ".join(step.policy.auto_candidates) if step._trial else "compiled"
         lines.append(
             f"optimizer {type(step.optimizer).__name__}: {mode} ({params} params in "
-            f"{len(step.layout.segments)} flat segments; clipping {step.clipping}; backend={kwargs['backend']} "
-            f"mode={kwargs['mode'] or 'default'})"
+            f"{len(step.layout.segments)} flat segments; clipping {step.clipping}; {step.update.describe()})"
         )
         lines += [f"note: {note}" for note in step.notes]
     return "\n".join(lines)

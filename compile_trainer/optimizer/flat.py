@@ -4,11 +4,16 @@ parameters of one device and dtype) is a view into one contiguous buffer per rol
 The compiled update then reads a handful of flat tensors (few kernels, few guards, a short compile) while the
 model and the optimizer keep their own objects: parameters stay the same ``nn.Parameter`` (their ``data`` is a
 view), and ``optimizer.state[p]`` holds standard tensors (views), so ``state_dict`` is the optimizer's own.
-Gradients arrive from backward as new tensors (Lightning and ``zero_grad`` set them to ``None``): a
-post-accumulate-grad hook on each parameter copies its gradient into the flat gradient buffer as soon as backward
-produces it (freeing the new tensor at once, so gradients take no more memory than without the layout) and leaves
-``p.grad`` a view of the buffer, so accumulation over several backwards adds in place. Gradients set by hand
-are gathered at the step with one multi-tensor copy.
+Gradients arrive from backward as new tensors (Lightning and ``zero_grad`` set them to ``None``). An update
+that reads each gradient where backward left it (the Triton kernel, ``flat_grads=False``) takes them as they
+are. For the Inductor update (``flat_grads=True``), a post-accumulate-grad hook on each parameter copies its
+gradient into a flat gradient buffer as soon as backward produces it (freeing the new tensor at once, so
+gradients take no more memory than without the layout) and leaves ``p.grad`` a view of the buffer, so
+accumulation over several backwards adds in place; gradients set by hand are gathered at the step with one
+multi-tensor copy.
+
+Each parameter's place in a flat buffer starts at a multiple of ``ALIGNMENT`` elements, so a kernel may load
+any of them with wide (16-byte) accesses.
 
 For clipping by norm the step takes every gradient's norm (one multi-tensor reduction per segment) from the
 gradients as they are then, after whatever changed them since backward (accumulation, a GradScaler's unscaling,
@@ -52,18 +57,28 @@ def _same_objects(lists: List[List[Tensor]], others: List[List[Tensor]]) -> bool
     return len(lists) == len(others) and all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in pairs)
 
 
-def _views(flat: Tensor, tensors: Sequence[Tensor]) -> List[Tensor]:
-    """Consecutive views of ``flat`` shaped like each of ``tensors``."""
-    views, offset = [], 0
+ALIGNMENT = 16  # elements: 64 bytes of float32, 32 of bfloat16
+
+
+def aligned_offsets(tensors: Sequence[Tensor]) -> Tuple[List[int], int]:
+    """Where each of ``tensors`` starts in a flat buffer (a multiple of ``ALIGNMENT``), and the buffer's size."""
+    offsets, end = [], 0
     for tensor in tensors:
-        views.append(flat[offset : offset + tensor.numel()].view(tensor.shape))
-        offset += tensor.numel()
-    return views
+        offsets.append(end)
+        end += -(-tensor.numel() // ALIGNMENT) * ALIGNMENT
+    return offsets, end
+
+
+def _views(flat: Tensor, tensors: Sequence[Tensor]) -> List[Tensor]:
+    """Views of ``flat`` shaped like each of ``tensors``, at ``aligned_offsets``."""
+    offsets, _ = aligned_offsets(tensors)
+    return [flat[o : o + t.numel()].view(t.shape) for o, t in zip(offsets, tensors)]
 
 
 def _flatten(tensors: Sequence[Tensor], like: Tensor) -> Tuple[Tensor, List[Tensor]]:
-    """A new flat buffer (``like``'s device and dtype) holding ``tensors``, and its view shaped like each."""
-    flat = torch.empty(sum(t.numel() for t in tensors), device=like.device, dtype=like.dtype)
+    """A new flat buffer (``like``'s device and dtype) holding ``tensors``, and its view shaped like each (the
+    alignment padding is zeros)."""
+    flat = torch.zeros(aligned_offsets(tensors)[1], device=like.device, dtype=like.dtype)
     views = _views(flat, tensors)
     torch._foreach_copy_(views, [t.detach() for t in tensors])
     return flat, views
@@ -76,28 +91,36 @@ class FlatSegment:
     group: int
     params: List[Tensor]
     param: Tensor
-    grad: Tensor
+    grad: Optional[Tensor]  # the flat gradient buffer, when the update reads one (else None)
     grad_views: List[Tensor]
     state: List[Tensor] = field(default_factory=list)  # per state key, then Adam's step vector
     state_views: List[List[Tensor]] = field(default_factory=list)  # what optimizer.state holds, per key
     grad_norms: Optional[Tensor] = None  # each parameter's gradient norm (float32), for clipping by norm
 
     def __post_init__(self) -> None:
-        self.grad_norms = torch.zeros(len(self.params), device=self.grad.device, dtype=torch.float32)
+        self.grad_norms = torch.zeros(len(self.params), device=self.param.device, dtype=torch.float32)
 
     def tensors(self) -> List[Tensor]:
         return [self.param, self.grad, *self.state]
 
+    def grads(self) -> List[Tensor]:
+        """The gradients as the update reads them: views of the flat buffer, or each parameter's own."""
+        return self.grad_views if self.grad is not None else [param.grad for param in self.params]
+
     def compute_norms(self) -> None:
         """Every parameter's gradient norm from the gradients as they are now (one multi-tensor reduction)."""
-        torch.stack(torch._foreach_norm(self.grad_views, 2, dtype=torch.float32), out=self.grad_norms)
+        torch.stack(torch._foreach_norm(self.grads(), 2, dtype=torch.float32), out=self.grad_norms)
 
 
 class FlatLayout:
-    """The segments of one optimizer; parameters become views at construction, state when ``bind_state`` runs."""
+    """The segments of one optimizer; parameters become views at construction, state when ``bind_state`` runs.
 
-    def __init__(self, optimizer: torch.optim.Optimizer):
+    ``flat_grads``: gradients are gathered into a flat buffer per segment (by backward hooks); else the update
+    reads each parameter's own gradient."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, flat_grads: bool = True):
         self.optimizer = optimizer
+        self.flat_grads = flat_grads
         self.segments: List[FlatSegment] = []
         self.frozen: List[Tensor] = []
         for index, group in enumerate(optimizer.param_groups):
@@ -111,9 +134,11 @@ class FlatLayout:
                 flat, views = _flatten(params, params[0])
                 for param, view in zip(params, views):
                     param.data = view
-                grad = torch.zeros_like(flat)
-                self.segments.append(FlatSegment(index, params, flat, grad, _views(grad, params)))
+                grad = torch.zeros_like(flat) if flat_grads else None
+                grad_views = _views(grad, params) if flat_grads else []
+                self.segments.append(FlatSegment(index, params, flat, grad, grad_views))
         self.bound = False
+        self.binds = 0  # how many times the state was (re)bound: an update caching anything about it compares
         self._param_ids = _param_ids(optimizer)
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self.install_hooks()
@@ -124,7 +149,7 @@ class FlatLayout:
         return bool(self._hooks)
 
     def install_hooks(self) -> None:
-        if not self._hooks:
+        if self.flat_grads and not self._hooks:
             self._hooks = [
                 param.register_post_accumulate_grad_hook(_gather_into(segment, index))
                 for segment in self.segments
@@ -163,28 +188,29 @@ class FlatLayout:
                 for param, view in zip(segment.params, views):
                     state[param][name] = view
         self.bound = True
+        self.binds += 1
         return None
 
     def gather_grads(self) -> List[str]:
-        """Copy gradients that are not views of the flat buffer into it; what keeps the flat update from running
-        (parameters without a gradient, or with one but frozen when the layout was made)."""
+        """Copy gradients that are not views of the flat buffer into it (with ``flat_grads``); what keeps the
+        update from running (parameters without a gradient, or with one but frozen when the layout was made)."""
         if self._param_ids != _param_ids(self.optimizer):
             return ["the param groups changed since the step was installed (add_param_group?)"]
         missing = [f"frozen at install {tuple(p.shape)} has one now" for p in self.frozen if p.grad is not None]
         sources, targets = [], []
         for segment in self.segments:
-            for param, view in zip(segment.params, segment.grad_views):
+            for index, param in enumerate(segment.params):
                 grad = param.grad
                 if grad is None:
                     missing.append(f"group {segment.group} {tuple(param.shape)} has none")
-                elif grad is not view:
+                elif grad.is_sparse:
+                    raise RuntimeError("compiled optimizer step: sparse gradients are not supported")
+                elif self.flat_grads and grad is not segment.grad_views[index]:
                     sources.append(grad)
-                    targets.append(view)
+                    targets.append(segment.grad_views[index])
         if missing:
             return missing
         if sources:
-            if any(grad.is_sparse for grad in sources):
-                raise RuntimeError("compiled optimizer step: sparse gradients are not supported")
             torch._foreach_copy_(targets, sources)
             for segment in self.segments:
                 for param, view in zip(segment.params, segment.grad_views):

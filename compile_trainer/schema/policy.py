@@ -20,6 +20,7 @@ from compile_trainer.schema.shapes import ShapesPolicy
 ACTIONS = ("full", "regional", "eager")
 REST_ACTIONS = ("eager", "compile", "outer", "nested", "auto")
 OPTIMIZER_COMPILE = ("true", "false", "auto")
+OPTIMIZER_KERNELS = ("auto", "triton", "inductor")
 OPTIMIZER_CANDIDATES = ("fused", "foreach", "compiled")
 
 
@@ -68,6 +69,11 @@ class OptimizerPolicy(SettingsOverrides):
     """
 
     compile: str = "false"
+    # How the compiled update runs: ``triton``, one multi-tensor Triton kernel per flat segment that reads each
+    # gradient where backward left it (CUDA; Adam, AdamW, SGD); ``inductor``, ``torch.compile`` of the update over
+    # flat gradient buffers that backward's hooks fill (any device; the mode and options below apply); ``auto``,
+    # ``triton`` where it can run and no ``mode`` is set here, else ``inductor``.
+    kernel: str = "auto"
     auto_candidates: List[str] = field(default_factory=lambda: list(OPTIMIZER_CANDIDATES))
     # Timed steps per candidate for ``auto``, after one untimed warm-up step each (which compiles).
     auto_steps: int = 3

@@ -13,6 +13,7 @@ from compile_trainer.schema.policy import (
     ACTIONS,
     OPTIMIZER_CANDIDATES,
     OPTIMIZER_COMPILE,
+    OPTIMIZER_KERNELS,
     REST_ACTIONS,
     CompilePolicy,
     OptimizerPolicy,
@@ -89,6 +90,10 @@ def validate_optimizer_policy(optimizer: OptimizerPolicy, where: str = "optimize
     if optimizer.compile not in OPTIMIZER_COMPILE:
         raise PolicyError(
             f"{where}: invalid compile {optimizer.compile!r}. Valid values: {', '.join(OPTIMIZER_COMPILE)}."
+        )
+    if optimizer.kernel not in OPTIMIZER_KERNELS:
+        raise PolicyError(
+            f"{where}: invalid kernel {optimizer.kernel!r}. Valid values: {', '.join(OPTIMIZER_KERNELS)}."
         )
     check_mode(where, optimizer.mode)
     unknown = [c for c in optimizer.auto_candidates if c not in OPTIMIZER_CANDIDATES]

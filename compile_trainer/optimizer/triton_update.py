@@ -1,0 +1,444 @@
+"""The update as one Triton kernel per segment that reads each gradient where backward left it.
+
+The Inductor update (``inductor_update.py``) needs the gradients in a flat buffer, and backward leaves each one in
+a tensor of its own: copying them costs 2 passes over the gradient bytes and a kernel per parameter, which
+torch's fused AdamW never pays. This kernel takes a table of the gradients' addresses instead, as torch's fused
+kernels do: each program updates one block of one parameter, reading that parameter's gradient in place and its
+parameter and state from the segment's flat buffers (``flat.py``). AdamW then moves 7 passes over the parameter
+bytes in one launch per segment, the floor for its arithmetic.
+
+Scalars (bias corrections, ``1 - beta``...) are computed on the host in float64 from the param groups' Python
+floats, as torch's single-tensor step computes them, and passed to the kernel as float32, as its kernels take
+them; the step count is kept on the host too (read once when the state is bound), and the kernel writes it into
+the optimizer's step tensors. A scheduler changing any value changes arguments, never the compiled kernel.
+Each op is rounded as the CUDA kernels of torch's single-tensor step round it (``enable_fp_fusion=False``, and a
+fused multiply-add only where those kernels have one).
+
+Clipping by norm takes every gradient's norm with torch's multi-tensor reduction (one read of the gradients, in
+place) and passes the clip coefficient to the kernel as a device scalar: no host sync, no pass to scale the
+gradients. Clipping by value clamps inside the kernel. The gradients themselves are left unclipped.
+
+With ``TRITON_INTERPRET=1`` the kernels run on the CPU through Triton's interpreter (the tests use it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from compile_trainer.optimizer.algorithms import ADAM, CLIP_EPS, Clipping
+from compile_trainer.optimizer.flat import FlatLayout, FlatSegment, aligned_offsets
+
+BLOCK = 2048  # elements per program
+NUM_WARPS = 8
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _locate(
+    pid,
+    block_param_ptr,
+    block_start_ptr,
+    param_start_ptr,
+    param_end_ptr,
+    grad_table_ptr,
+    param_ptr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """This program's block: its offsets in the flat buffers, whether it lies whole within its parameter, the
+    parameter's end there, and its gradient's pointers at those offsets."""
+    index = tl.load(block_param_ptr + pid)
+    start = tl.load(block_start_ptr + pid)
+    first = tl.load(param_start_ptr + index)
+    end = tl.load(param_end_ptr + index)
+    address = tl.load(grad_table_ptr + index)
+    if ALIGNED:  # every parameter starts at a multiple of ALIGNMENT elements, every gradient at 16 bytes
+        start = tl.multiple_of(start, 16)
+        first = tl.multiple_of(first, 16)
+        address = tl.multiple_of(address, 16)
+    offsets = start + tl.arange(0, BLOCK)
+    grad_ptrs = address.to(param_ptr.dtype) + (offsets - first)
+    return offsets, start + BLOCK <= end, end, grad_ptrs
+
+
+@triton.jit
+def _clipped(grad, coef_ptr, clip_value, CLIP_NORM: tl.constexpr, CLIP_VALUE: tl.constexpr, MAXIMIZE: tl.constexpr):
+    if CLIP_NORM:
+        grad = grad * tl.load(coef_ptr)
+    if CLIP_VALUE:
+        nan = tl.PropagateNan.ALL  # as torch.clamp
+        grad = tl.minimum(tl.maximum(grad, -clip_value, propagate_nan=nan), clip_value, propagate_nan=nan)
+    if MAXIMIZE:
+        grad = -grad
+    return grad
+
+
+@triton.jit
+def _write_steps(pid, steps_ptr, step, n_params, STEPS_BLOCK: tl.constexpr):
+    if pid == 0:
+        index = tl.arange(0, STEPS_BLOCK)
+        tl.store(steps_ptr + index, tl.full([STEPS_BLOCK], 0, tl.float32) + step, mask=index < n_params)
+
+
+@triton.jit
+def _adam_block(
+    offsets,
+    mask,
+    grad_ptrs,
+    param_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    max_exp_avg_sq_ptr,
+    coef_ptr,
+    neg_step_size,
+    inv_bias_correction2_sqrt,
+    eps,
+    decay,
+    weight_decay,
+    avg_weight,
+    beta2,
+    sq_weight,
+    clip_value,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    CLIP_NORM: tl.constexpr,
+    CLIP_VALUE: tl.constexpr,
+):
+    grad = tl.load(grad_ptrs, mask=mask).to(tl.float32)
+    grad = _clipped(grad, coef_ptr, clip_value, CLIP_NORM, CLIP_VALUE, MAXIMIZE)
+    param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    if DECOUPLED:
+        param = param * decay
+    else:
+        grad = tl.fma(weight_decay, param, grad)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+    # lerp as torch's kernel: from the start for weights below 0.5, else from the end
+    diff = grad - exp_avg
+    near, far = tl.fma(avg_weight, diff, exp_avg), tl.fma(avg_weight - 1.0, diff, grad)
+    exp_avg = tl.where(tl.abs(avg_weight) < 0.5, near, far)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
+    exp_avg_sq = tl.fma(sq_weight, grad * grad, exp_avg_sq * beta2)  # addcmul: value * (t1 * t2) + self
+    tl.store(exp_avg_ptr + offsets, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+    if AMSGRAD:
+        max_exp_avg_sq = tl.load(max_exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg_sq = tl.maximum(max_exp_avg_sq, exp_avg_sq, propagate_nan=tl.PropagateNan.ALL)  # as torch.maximum
+        tl.store(max_exp_avg_sq_ptr + offsets, exp_avg_sq.to(max_exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+    # a division by a host scalar is a multiplication by its float reciprocal in torch's CUDA kernel
+    denom = tl.sqrt_rn(exp_avg_sq) * inv_bias_correction2_sqrt + eps
+    param = tl.fma(neg_step_size, tl.div_rn(exp_avg, denom), param)  # addcdiv: value * (t1 / t2) + self
+    tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def adam_kernel(
+    param_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    max_exp_avg_sq_ptr,
+    steps_ptr,
+    grad_table_ptr,
+    block_param_ptr,
+    block_start_ptr,
+    param_start_ptr,
+    param_end_ptr,
+    coef_ptr,
+    n_params,
+    step,
+    neg_step_size,
+    inv_bias_correction2_sqrt,
+    eps,
+    decay,
+    weight_decay,
+    avg_weight,
+    beta2,
+    sq_weight,
+    clip_value,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    CLIP_NORM: tl.constexpr,
+    CLIP_VALUE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEPS_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offsets, whole, end, grad_ptrs = _locate(
+        pid, block_param_ptr, block_start_ptr, param_start_ptr, param_end_ptr, grad_table_ptr, param_ptr, ALIGNED, BLOCK
+    )
+    args = (
+        grad_ptrs,
+        param_ptr,
+        exp_avg_ptr,
+        exp_avg_sq_ptr,
+        max_exp_avg_sq_ptr,
+        coef_ptr,
+        neg_step_size,
+        inv_bias_correction2_sqrt,
+        eps,
+        decay,
+        weight_decay,
+        avg_weight,
+        beta2,
+        sq_weight,
+        clip_value,
+        AMSGRAD,
+        MAXIMIZE,
+        DECOUPLED,
+        CLIP_NORM,
+        CLIP_VALUE,
+    )
+    if whole:  # no mask, so loads and stores can be wide
+        _adam_block(offsets, None, *args)
+    else:
+        _adam_block(offsets, offsets < end, *args)
+    _write_steps(pid, steps_ptr, step, n_params, STEPS_BLOCK)
+
+
+@triton.jit
+def _sgd_block(
+    offsets,
+    mask,
+    grad_ptrs,
+    param_ptr,
+    buf_ptr,
+    coef_ptr,
+    neg_lr,
+    momentum,
+    grad_weight,
+    weight_decay,
+    clip_value,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    CLIP_NORM: tl.constexpr,
+    CLIP_VALUE: tl.constexpr,
+):
+    grad = tl.load(grad_ptrs, mask=mask).to(tl.float32)
+    grad = _clipped(grad, coef_ptr, clip_value, CLIP_NORM, CLIP_VALUE, MAXIMIZE)
+    param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+    grad = tl.fma(weight_decay, param, grad)  # add with alpha: alpha * other + self
+    if HAS_MOMENTUM:
+        buf = tl.load(buf_ptr + offsets, mask=mask).to(tl.float32)
+        buf = tl.fma(grad_weight, grad, buf * momentum)
+        tl.store(buf_ptr + offsets, buf.to(buf_ptr.dtype.element_ty), mask=mask)
+        if NESTEROV:
+            grad = tl.fma(momentum, buf, grad)
+        else:
+            grad = buf
+    param = tl.fma(neg_lr, grad, param)
+    tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sgd_kernel(
+    param_ptr,
+    buf_ptr,
+    grad_table_ptr,
+    block_param_ptr,
+    block_start_ptr,
+    param_start_ptr,
+    param_end_ptr,
+    coef_ptr,
+    neg_lr,
+    momentum,
+    grad_weight,
+    weight_decay,
+    clip_value,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    CLIP_NORM: tl.constexpr,
+    CLIP_VALUE: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offsets, whole, end, grad_ptrs = _locate(
+        pid, block_param_ptr, block_start_ptr, param_start_ptr, param_end_ptr, grad_table_ptr, param_ptr, ALIGNED, BLOCK
+    )
+    args = (
+        grad_ptrs,
+        param_ptr,
+        buf_ptr,
+        coef_ptr,
+        neg_lr,
+        momentum,
+        grad_weight,
+        weight_decay,
+        clip_value,
+        HAS_MOMENTUM,
+        NESTEROV,
+        MAXIMIZE,
+        CLIP_NORM,
+        CLIP_VALUE,
+    )
+    if whole:
+        _sgd_block(offsets, None, *args)
+    else:
+        _sgd_block(offsets, offsets < end, *args)
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to float32, as a Python float."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+@dataclass
+class _Blocks:
+    """Which parameter each program of a segment's kernel updates, and where (static: the layout never moves)."""
+
+    param: Tensor  # int32, per block: the parameter's index in the segment
+    start: Tensor  # int64, per block: its first element in the flat buffers
+    param_start: Tensor  # int64, per parameter
+    param_end: Tensor  # int64, per parameter
+    grad_table: Tensor  # int64, per parameter: its gradient's address, written when the addresses change
+    addresses: Tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, segment: FlatSegment) -> _Blocks:
+        offsets, _ = aligned_offsets(segment.params)
+        starts, owners = [], []
+        for index, (offset, param) in enumerate(zip(offsets, segment.params)):
+            blocks = range(offset, offset + param.numel(), BLOCK)
+            starts += blocks
+            owners += [index] * len(blocks)
+        ends = [offset + param.numel() for offset, param in zip(offsets, segment.params)]
+        device = segment.param.device
+
+        def on_device(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        return cls(
+            on_device(owners, torch.int32),
+            on_device(starts, torch.int64),
+            on_device(offsets, torch.int64),
+            on_device(ends, torch.int64),
+            torch.zeros(len(segment.params), dtype=torch.int64, device=device),
+        )
+
+    def point_at(self, grads: List[Tensor]) -> bool:
+        """Write the gradients' addresses into the table (only when they changed: the caching allocator usually
+        hands backward the same blocks every step); whether all of them are 16-byte aligned."""
+        addresses = tuple(grad.data_ptr() for grad in grads)
+        if addresses != self.addresses:
+            table = torch.tensor(addresses, dtype=torch.int64)
+            if self.grad_table.is_cuda:
+                table = table.pin_memory()  # an asynchronous copy: no wait for the queued backward
+            self.grad_table.copy_(table, non_blocking=True)
+            self.addresses = addresses
+        return all(address % 16 == 0 for address in addresses)
+
+
+class TritonUpdate:
+    """The compiled update over ``layout``'s segments: one Triton kernel launch per segment (after one
+    multi-tensor norm, with clipping by norm)."""
+
+    name = "triton"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, algorithm, layout: FlatLayout):
+        self.optimizer = optimizer
+        self.algorithm = algorithm
+        self.layout = layout
+        self.blocks = [_Blocks.of(segment) for segment in layout.segments]
+        device = layout.segments[0].param.device if layout.segments else torch.device("cpu")
+        self.coefficient = torch.ones((), device=device, dtype=torch.float32)
+        self._counts: List[float] = []  # Adam's step count per segment, on the host
+        self._counts_of_bind = -1
+        self.launches = 0
+        self.specializations: Set[Tuple] = set()  # (kernel, compile-time constants): what Triton compiled
+
+    def describe(self) -> str:
+        return f"Triton kernel (block {BLOCK}, {NUM_WARPS} warps{', interpreted' if interpreted() else ''})"
+
+    def run(self, clip: Clipping, grad_norm: Tensor) -> None:
+        segments = self.layout.segments
+        grads = [[grad if grad.is_contiguous() else grad.contiguous() for grad in s.grads()] for s in segments]
+        clip_norm, clip_value = clip
+        if clip_norm is not None:
+            norms = torch._foreach_norm([g for group in grads for g in group], 2, dtype=torch.float32)
+            total = torch.linalg.vector_norm(torch.stack(norms))
+            grad_norm.copy_(total)
+            torch.clamp(clip_norm / (total + CLIP_EPS), max=1.0, out=self.coefficient)
+        if self.algorithm is ADAM and self._counts_of_bind != self.layout.binds:
+            self._counts = [float(segment.state[-1][0]) for segment in segments]  # one sync per bind
+            self._counts_of_bind = self.layout.binds
+        for index, (segment, blocks, segment_grads) in enumerate(zip(segments, self.blocks, grads)):
+            aligned = blocks.point_at(segment_grads)
+            group = self.optimizer.param_groups[segment.group]
+            flags = self.algorithm.flags(self.optimizer, group)
+            if self.algorithm is ADAM:
+                self._counts[index] += 1
+                self._adam(segment, blocks, group, flags, self._counts[index], clip, aligned)
+            else:
+                self._sgd(segment, blocks, group, flags, clip, aligned)
+            self.launches += 1
+
+    def _launch(self, kernel, blocks: _Blocks, buffers: List[Tensor], scalars: List[Any], clip: Clipping, **constants):
+        """One launch over the segment's blocks: ``buffers`` (flat parameter and state), the block tables, the clip
+        coefficient, ``scalars``, the clip value; ``constants`` and the clipping are compile-time constants."""
+        clip_norm, clip_value = clip
+        constants |= {"CLIP_NORM": clip_norm is not None, "CLIP_VALUE": clip_value is not None, "BLOCK": BLOCK}
+        self.specializations.add((kernel.fn.__name__, tuple(sorted(constants.items()))))
+        options: Dict[str, Any] = {"num_warps": NUM_WARPS}
+        if not interpreted():
+            options["enable_fp_fusion"] = False  # a fused multiply-add only where torch's kernels have one
+        tables = [blocks.grad_table, blocks.param, blocks.start, blocks.param_start, blocks.param_end]
+        kernel[(blocks.param.numel(),)](
+            *buffers, *tables, self.coefficient, *scalars, clip_value or 0.0, **constants, **options
+        )
+
+    def _adam(self, segment: FlatSegment, blocks: _Blocks, group, flags, step: float, clip: Clipping, aligned: bool):
+        """Scalars as torch's single-tensor step computes them from the group's Python floats."""
+        amsgrad, maximize, decoupled = flags
+        lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+        beta1, beta2 = (float(beta) for beta in group["betas"])
+        # a division by a host scalar is a multiplication by its float32 reciprocal in torch's CUDA kernel
+        inv_bias_correction2_sqrt = 1.0 / _float32(math.sqrt(1 - beta2**step))
+        exp_avg, exp_avg_sq = segment.state[0], segment.state[1]
+        buffers = [segment.param, exp_avg, exp_avg_sq, segment.state[2] if amsgrad else exp_avg_sq, segment.state[-1]]
+        scalars = [len(segment.params), step, -lr / (1 - beta1**step), inv_bias_correction2_sqrt, eps]
+        scalars += [1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2]
+        self._launch(
+            adam_kernel,
+            blocks,
+            buffers,
+            scalars,
+            clip,
+            ALIGNED=aligned,
+            AMSGRAD=amsgrad,
+            MAXIMIZE=maximize,
+            DECOUPLED=decoupled,
+            STEPS_BLOCK=triton.next_power_of_2(len(segment.params)),
+        )
+
+    def _sgd(self, segment: FlatSegment, blocks: _Blocks, group, flags, clip: Clipping, aligned: bool):
+        has_momentum, nesterov, maximize = flags
+        buffers = [segment.param, segment.state[0] if has_momentum else segment.param]
+        scalars = [-float(group["lr"]), float(group["momentum"]), 1 - float(group["dampening"])]
+        scalars.append(float(group["weight_decay"]))
+        self._launch(
+            sgd_kernel,
+            blocks,
+            buffers,
+            scalars,
+            clip,
+            ALIGNED=aligned,
+            HAS_MOMENTUM=has_momentum,
+            NESTEROV=nesterov,
+            MAXIMIZE=maximize,
+        )
