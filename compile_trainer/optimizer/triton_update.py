@@ -15,7 +15,8 @@ Each op is rounded as the CUDA kernels of torch's single-tensor step round it (`
 fused multiply-add only where those kernels have one).
 
 Clipping by norm takes every gradient's norm with torch's multi-tensor reduction (one read of the gradients, in
-place) and passes the clip coefficient to the kernel as a device scalar: no host sync, no pass to scale the
+place) into the step's ``grad_norm``, which the kernel reads to compute the clip coefficient: no host sync, no
+pass to scale the
 gradients. Clipping by value clamps inside the kernel. The gradients themselves are left unclipped.
 
 With ``TRITON_INTERPRET=1`` the kernels run on the CPU through Triton's interpreter (the tests use it).
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from compile_trainer.optimizer.algorithms import ADAM, CLIP_EPS, Clipping
+from compile_trainer.optimizer.algorithms import ADAM, Clipping
 from compile_trainer.optimizer.flat import FlatLayout, FlatSegment, aligned_offsets
 
 BLOCK = 2048  # elements per program
@@ -70,16 +71,21 @@ def _locate(
         address = tl.multiple_of(address, 16)
     offsets = start + tl.arange(0, BLOCK)
     grad_ptrs = address.to(param_ptr.dtype) + (offsets - first)
+    if ALIGNED:  # runs of 16 contiguous elements, each starting 16-byte aligned: wide loads
+        grad_ptrs = tl.max_contiguous(tl.multiple_of(grad_ptrs, [16]), [16])
     return offsets, start + BLOCK <= end, end, grad_ptrs
 
 
 @triton.jit
-def _clipped(grad, coef_ptr, clip_value, CLIP_NORM: tl.constexpr, CLIP_VALUE: tl.constexpr, MAXIMIZE: tl.constexpr):
-    if CLIP_NORM:
-        grad = grad * tl.load(coef_ptr)
-    if CLIP_VALUE:
-        nan = tl.PropagateNan.ALL  # as torch.clamp
-        grad = tl.minimum(tl.maximum(grad, -clip_value, propagate_nan=nan), clip_value, propagate_nan=nan)
+def _clipped(grad, norm_ptr, clip_limit, CLIP_NORM: tl.constexpr, CLIP_VALUE: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """The gradient as ``clip_grad_norm_`` (``clip_limit``: the max norm; ``norm_ptr``: the total norm) or
+    ``clip_grad_value_`` (the max value) leaves it, rounded as they round."""
+    if CLIP_NORM:  # min(max_norm / (norm + eps), 1); torch divides a float by a tensor as reciprocal, then times
+        coefficient = tl.div_rn(1.0, tl.load(norm_ptr) + 1e-6) * clip_limit
+        grad = grad * tl.minimum(coefficient, 1.0, propagate_nan=tl.PropagateNan.ALL)
+    if CLIP_VALUE:  # NaN propagates, as through torch.clamp
+        grad = tl.maximum(grad, -clip_limit, propagate_nan=tl.PropagateNan.ALL)
+        grad = tl.minimum(grad, clip_limit, propagate_nan=tl.PropagateNan.ALL)
     if MAXIMIZE:
         grad = -grad
     return grad
@@ -95,13 +101,13 @@ def _write_steps(pid, steps_ptr, step, n_params, STEPS_BLOCK: tl.constexpr):
 @triton.jit
 def _adam_block(
     offsets,
-    mask,
+    end,
     grad_ptrs,
     param_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
     max_exp_avg_sq_ptr,
-    coef_ptr,
+    norm_ptr,
     neg_step_size,
     inv_bias_correction2_sqrt,
     eps,
@@ -110,15 +116,17 @@ def _adam_block(
     avg_weight,
     beta2,
     sq_weight,
-    clip_value,
+    clip_limit,
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     CLIP_NORM: tl.constexpr,
     CLIP_VALUE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
+    mask = offsets < end if MASKED else None  # a whole block: no mask, so loads and stores can be wide
     grad = tl.load(grad_ptrs, mask=mask).to(tl.float32)
-    grad = _clipped(grad, coef_ptr, clip_value, CLIP_NORM, CLIP_VALUE, MAXIMIZE)
+    grad = _clipped(grad, norm_ptr, clip_limit, CLIP_NORM, CLIP_VALUE, MAXIMIZE)
     param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
     if DECOUPLED:
         param = param * decay
@@ -155,7 +163,7 @@ def adam_kernel(
     block_start_ptr,
     param_start_ptr,
     param_end_ptr,
-    coef_ptr,
+    norm_ptr,
     n_params,
     step,
     neg_step_size,
@@ -166,7 +174,7 @@ def adam_kernel(
     avg_weight,
     beta2,
     sq_weight,
-    clip_value,
+    clip_limit,
     AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     DECOUPLED: tl.constexpr,
@@ -180,56 +188,84 @@ def adam_kernel(
     offsets, whole, end, grad_ptrs = _locate(
         pid, block_param_ptr, block_start_ptr, param_start_ptr, param_end_ptr, grad_table_ptr, param_ptr, ALIGNED, BLOCK
     )
-    args = (
-        grad_ptrs,
-        param_ptr,
-        exp_avg_ptr,
-        exp_avg_sq_ptr,
-        max_exp_avg_sq_ptr,
-        coef_ptr,
-        neg_step_size,
-        inv_bias_correction2_sqrt,
-        eps,
-        decay,
-        weight_decay,
-        avg_weight,
-        beta2,
-        sq_weight,
-        clip_value,
-        AMSGRAD,
-        MAXIMIZE,
-        DECOUPLED,
-        CLIP_NORM,
-        CLIP_VALUE,
-    )
-    if whole:  # no mask, so loads and stores can be wide
-        _adam_block(offsets, None, *args)
+    if whole:
+        _adam_block(
+            offsets,
+            end,
+            grad_ptrs,
+            param_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            max_exp_avg_sq_ptr,
+            norm_ptr,
+            neg_step_size,
+            inv_bias_correction2_sqrt,
+            eps,
+            decay,
+            weight_decay,
+            avg_weight,
+            beta2,
+            sq_weight,
+            clip_limit,
+            AMSGRAD,
+            MAXIMIZE,
+            DECOUPLED,
+            CLIP_NORM,
+            CLIP_VALUE,
+            MASKED=False,
+        )
     else:
-        _adam_block(offsets, offsets < end, *args)
+        _adam_block(
+            offsets,
+            end,
+            grad_ptrs,
+            param_ptr,
+            exp_avg_ptr,
+            exp_avg_sq_ptr,
+            max_exp_avg_sq_ptr,
+            norm_ptr,
+            neg_step_size,
+            inv_bias_correction2_sqrt,
+            eps,
+            decay,
+            weight_decay,
+            avg_weight,
+            beta2,
+            sq_weight,
+            clip_limit,
+            AMSGRAD,
+            MAXIMIZE,
+            DECOUPLED,
+            CLIP_NORM,
+            CLIP_VALUE,
+            MASKED=True,
+        )
     _write_steps(pid, steps_ptr, step, n_params, STEPS_BLOCK)
 
 
 @triton.jit
 def _sgd_block(
     offsets,
-    mask,
+    end,
     grad_ptrs,
     param_ptr,
     buf_ptr,
-    coef_ptr,
+    norm_ptr,
     neg_lr,
     momentum,
     grad_weight,
     weight_decay,
-    clip_value,
+    clip_limit,
     HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     CLIP_NORM: tl.constexpr,
     CLIP_VALUE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
+    mask = offsets < end if MASKED else None  # a whole block: no mask, so loads and stores can be wide
     grad = tl.load(grad_ptrs, mask=mask).to(tl.float32)
-    grad = _clipped(grad, coef_ptr, clip_value, CLIP_NORM, CLIP_VALUE, MAXIMIZE)
+    grad = _clipped(grad, norm_ptr, clip_limit, CLIP_NORM, CLIP_VALUE, MAXIMIZE)
     param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
     grad = tl.fma(weight_decay, param, grad)  # add with alpha: alpha * other + self
     if HAS_MOMENTUM:
@@ -253,12 +289,12 @@ def sgd_kernel(
     block_start_ptr,
     param_start_ptr,
     param_end_ptr,
-    coef_ptr,
+    norm_ptr,
     neg_lr,
     momentum,
     grad_weight,
     weight_decay,
-    clip_value,
+    clip_limit,
     HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
     MAXIMIZE: tl.constexpr,
@@ -271,26 +307,46 @@ def sgd_kernel(
     offsets, whole, end, grad_ptrs = _locate(
         pid, block_param_ptr, block_start_ptr, param_start_ptr, param_end_ptr, grad_table_ptr, param_ptr, ALIGNED, BLOCK
     )
-    args = (
-        grad_ptrs,
-        param_ptr,
-        buf_ptr,
-        coef_ptr,
-        neg_lr,
-        momentum,
-        grad_weight,
-        weight_decay,
-        clip_value,
-        HAS_MOMENTUM,
-        NESTEROV,
-        MAXIMIZE,
-        CLIP_NORM,
-        CLIP_VALUE,
-    )
     if whole:
-        _sgd_block(offsets, None, *args)
+        _sgd_block(
+            offsets,
+            end,
+            grad_ptrs,
+            param_ptr,
+            buf_ptr,
+            norm_ptr,
+            neg_lr,
+            momentum,
+            grad_weight,
+            weight_decay,
+            clip_limit,
+            HAS_MOMENTUM,
+            NESTEROV,
+            MAXIMIZE,
+            CLIP_NORM,
+            CLIP_VALUE,
+            MASKED=False,
+        )
     else:
-        _sgd_block(offsets, offsets < end, *args)
+        _sgd_block(
+            offsets,
+            end,
+            grad_ptrs,
+            param_ptr,
+            buf_ptr,
+            norm_ptr,
+            neg_lr,
+            momentum,
+            grad_weight,
+            weight_decay,
+            clip_limit,
+            HAS_MOMENTUM,
+            NESTEROV,
+            MAXIMIZE,
+            CLIP_NORM,
+            CLIP_VALUE,
+            MASKED=True,
+        )
 
 
 def _float32(value: float) -> float:
@@ -355,8 +411,6 @@ class TritonUpdate:
         self.algorithm = algorithm
         self.layout = layout
         self.blocks = [_Blocks.of(segment) for segment in layout.segments]
-        device = layout.segments[0].param.device if layout.segments else torch.device("cpu")
-        self.coefficient = torch.ones((), device=device, dtype=torch.float32)
         self._counts: List[float] = []  # Adam's step count per segment, on the host
         self._counts_of_bind = -1
         self.launches = 0
@@ -368,12 +422,9 @@ class TritonUpdate:
     def run(self, clip: Clipping, grad_norm: Tensor) -> None:
         segments = self.layout.segments
         grads = [[grad if grad.is_contiguous() else grad.contiguous() for grad in s.grads()] for s in segments]
-        clip_norm, clip_value = clip
-        if clip_norm is not None:
+        if clip[0] is not None:
             norms = torch._foreach_norm([g for group in grads for g in group], 2, dtype=torch.float32)
-            total = torch.linalg.vector_norm(torch.stack(norms))
-            grad_norm.copy_(total)
-            torch.clamp(clip_norm / (total + CLIP_EPS), max=1.0, out=self.coefficient)
+            torch.linalg.vector_norm(torch.stack(norms), out=grad_norm)
         if self.algorithm is ADAM and self._counts_of_bind != self.layout.binds:
             self._counts = [float(segment.state[-1][0]) for segment in segments]  # one sync per bind
             self._counts_of_bind = self.layout.binds
@@ -383,14 +434,16 @@ class TritonUpdate:
             flags = self.algorithm.flags(self.optimizer, group)
             if self.algorithm is ADAM:
                 self._counts[index] += 1
-                self._adam(segment, blocks, group, flags, self._counts[index], clip, aligned)
+                self._adam(segment, blocks, group, flags, self._counts[index], clip, grad_norm, aligned)
             else:
-                self._sgd(segment, blocks, group, flags, clip, aligned)
+                self._sgd(segment, blocks, group, flags, clip, grad_norm, aligned)
             self.launches += 1
 
-    def _launch(self, kernel, blocks: _Blocks, buffers: List[Tensor], scalars: List[Any], clip: Clipping, **constants):
-        """One launch over the segment's blocks: ``buffers`` (flat parameter and state), the block tables, the clip
-        coefficient, ``scalars``, the clip value; ``constants`` and the clipping are compile-time constants."""
+    def _launch(
+        self, kernel, blocks: _Blocks, buffers: List[Tensor], scalars: List[Any], clip: Clipping, grad_norm, **constants
+    ):
+        """One launch over the segment's blocks: ``buffers`` (flat parameter and state), the block tables, the total
+        gradient norm, ``scalars``, the clip limit; ``constants`` and the clipping are compile-time constants."""
         clip_norm, clip_value = clip
         constants |= {"CLIP_NORM": clip_norm is not None, "CLIP_VALUE": clip_value is not None, "BLOCK": BLOCK}
         self.specializations.add((kernel.fn.__name__, tuple(sorted(constants.items()))))
@@ -399,10 +452,10 @@ class TritonUpdate:
             options["enable_fp_fusion"] = False  # a fused multiply-add only where torch's kernels have one
         tables = [blocks.grad_table, blocks.param, blocks.start, blocks.param_start, blocks.param_end]
         kernel[(blocks.param.numel(),)](
-            *buffers, *tables, self.coefficient, *scalars, clip_value or 0.0, **constants, **options
+            *buffers, *tables, grad_norm, *scalars, clip_norm or clip_value or 0.0, **constants, **options
         )
 
-    def _adam(self, segment: FlatSegment, blocks: _Blocks, group, flags, step: float, clip: Clipping, aligned: bool):
+    def _adam(self, segment: FlatSegment, blocks: _Blocks, group, flags, step: float, clip, grad_norm, aligned: bool):
         """Scalars as torch's single-tensor step computes them from the group's Python floats."""
         amsgrad, maximize, decoupled = flags
         lr, weight_decay, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
@@ -419,6 +472,7 @@ class TritonUpdate:
             buffers,
             scalars,
             clip,
+            grad_norm,
             ALIGNED=aligned,
             AMSGRAD=amsgrad,
             MAXIMIZE=maximize,
@@ -426,7 +480,7 @@ class TritonUpdate:
             STEPS_BLOCK=triton.next_power_of_2(len(segment.params)),
         )
 
-    def _sgd(self, segment: FlatSegment, blocks: _Blocks, group, flags, clip: Clipping, aligned: bool):
+    def _sgd(self, segment: FlatSegment, blocks: _Blocks, group, flags, clip, grad_norm, aligned: bool):
         has_momentum, nesterov, maximize = flags
         buffers = [segment.param, segment.state[0] if has_momentum else segment.param]
         scalars = [-float(group["lr"]), float(group["momentum"]), 1 - float(group["dampening"])]
@@ -437,6 +491,7 @@ class TritonUpdate:
             buffers,
             scalars,
             clip,
+            grad_norm,
             ALIGNED=aligned,
             HAS_MOMENTUM=has_momentum,
             NESTEROV=nesterov,
