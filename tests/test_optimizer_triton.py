@@ -8,13 +8,10 @@ import io
 
 import pytest
 import torch
-from torch import nn
-from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
-from compile_trainer import PolicyError
-from compile_trainer.optimizer import compile_optimizer
-from compile_trainer.optimizer import triton_update as triton_kernels
-from tests.test_optimizer import (
+# the module pytest imports this directory's test files as (tests/ has no __init__.py): importing it again as
+# tests.test_optimizer would register its Dynamo backend twice
+from test_optimizer import (
     STEPS,
     assert_same_params,
     fit,
@@ -23,6 +20,12 @@ from tests.test_optimizer import (
     train,
     warmup_cosine,
 )
+from torch import nn
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_
+
+from compile_trainer import PolicyError
+from compile_trainer.optimizer import compile_optimizer
+from compile_trainer.optimizer import triton_update as triton_kernels
 
 TRITON = {"compile": "true", "kernel": "triton"}
 # test_optimizer.py's optimizers, with SGD's learning rates small enough for the wider model not to diverge

@@ -195,12 +195,12 @@ class CompiledOptimizerStep:
 
     def __call__(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         compat.mark_optimizer_stepped(self.optimizer)
-        if self._trial is not None:
-            self._trial.start_timing()  # the closure's forward and backward included
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._trial is not None:
+            self._trial.start_timing()  # after backward: the update, gathering gradients included, on the stream
         if self._trial is not None and self._trial.eager_candidate_next():
             self._trial.step()  # reading the gradients where backward left them, as it would in training
             return loss
@@ -238,9 +238,14 @@ class CompiledOptimizerStep:
             self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm))
         elif max_value is not None:
             torch.nn.utils.clip_grad_value_(params, max_value)
+        laid_out = [p for segment in self.layout.segments for p in segment.params]
+        uniform = self.layout.bound and all(p.grad is not None for p in laid_out)
         type(self.optimizer).step(self.optimizer)
         self.eager_steps += 1
-        self.layout.bound = False  # state it created, or step counts it left unequal, are checked again
+        if uniform:  # every count advanced by one, in place: the buffers still hold the state, no check (sync) needed
+            self.update.note_eager_step()
+        else:  # state it created, or step counts it left unequal, are checked again
+            self.layout.bound = False
 
     def compiled_update(self) -> None:
         optimizer = self.optimizer
@@ -309,14 +314,17 @@ class CompiledOptimizerStep:
 class _AutoTrial:
     """Runs real training steps with each candidate in turn: one warm-up step (it compiles), then timed steps.
 
-    A timed step is what the candidate costs the device in training: from the start of the call, so Lightning's
-    closure (forward, backward) is included, to the end of the update, measured on the device's stream (CUDA
-    events, read once the trial is over) so host time counts only where the device waits for it, as in training.
-    (Timed with a sync around the step alone, the compiled candidate won on GPT-2 small by 0.03 ms and 0.8 ms with
-    clipping, and trained 0.5 ms a step slower than fused: fused's higher host overhead is hidden in training.)
-    The gradient hooks are off meanwhile: the compiled candidate copies the gradients into its flat buffer inside
-    the call, so its time counts the copy, and the eager candidates read each gradient where backward left it, as
-    torch's steps do in training (2 passes over the gradients that they never pay)."""
+    A timed step is what the candidate's update costs the device in training: from the end of Lightning's closure
+    (forward and backward) to the end of the update, measured on the device's stream (CUDA events, read once the
+    trial is over) so host time counts only where the device waits for it, as in training, where the host is
+    ahead of the device at the step. (Timed with a sync around the step, the Inductor candidate won on GPT-2 small
+    and trained 0.5 ms a step slower than fused: fused's higher host overhead is hidden in training. Timed with
+    the closure, the 20 ms of forward and backward drowned differences of tenths of a millisecond: the Triton
+    candidate, 0.25 ms a step faster than fused in training, lost its trial by 1.7 ms.) The gradient hooks are off
+    meanwhile: the Inductor candidate copies the gradients into its flat buffer inside the timed step, so its time
+    counts the copy, and the other candidates read each gradient where backward left it, as in training. Eager
+    candidates' steps advance the state in place and leave it bound, so no candidate's step syncs with the host.
+    """
 
     def __init__(self, step: CompiledOptimizerStep):
         self.owner = step

@@ -54,6 +54,9 @@ class InductorUpdate:
         kwargs = self.compile_kwargs
         return f"torch.compile backend={kwargs['backend']} mode={kwargs['mode'] or 'default'}"
 
+    def note_eager_step(self) -> None:
+        """The optimizer's own step ran on the bound state (the update reads the step counts on the device)."""
+
     def run(self, clip: Clipping, grad_norm: torch.Tensor) -> None:
         if self._static_state_of_bind != self.layout.binds:
             for segment in self.layout.segments:

@@ -419,6 +419,10 @@ class TritonUpdate:
     def describe(self) -> str:
         return f"Triton kernel (block {BLOCK}, {NUM_WARPS} warps{', interpreted' if interpreted() else ''})"
 
+    def note_eager_step(self) -> None:
+        """The optimizer's own step advanced every step count by one (auto's trial), as the host copy does now."""
+        self._counts = [count + 1 for count in self._counts]
+
     def run(self, clip: Clipping, grad_norm: Tensor) -> None:
         segments = self.layout.segments
         grads = [[grad if grad.is_contiguous() else grad.contiguous() for grad in s.grads()] for s in segments]
