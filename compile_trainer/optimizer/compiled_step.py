@@ -56,7 +56,7 @@ class OptimizerChoice:
     """What ``compile: auto`` measured and chose."""
 
     chosen: str
-    step_ms: Dict[str, float]  # fastest timed step per candidate (the closure, forward and backward, included)
+    step_ms: Dict[str, float]  # fastest timed update per candidate (device time from the end of backward)
     skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
     device: str = "cpu"
     timed_steps: int = 0
@@ -65,7 +65,7 @@ class OptimizerChoice:
     def describe(self) -> str:
         others = ", ".join(f"{n} {ms:.3f} ms" for n, ms in self.step_ms.items() if n != self.chosen)
         clipping = f", clipping by {self.clipping} included" if self.clipping != "none" else ""
-        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per step with its closure{clipping}"
+        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per update{clipping}"
         text += f"{' vs ' + others if others else ''}; best of {self.timed_steps} timed steps each on {self.device})"
         return text + "".join(f"; {name} skipped: {why}" for name, why in self.skipped.items())
 
