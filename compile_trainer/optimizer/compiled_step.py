@@ -238,8 +238,8 @@ class CompiledOptimizerStep:
             self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(params, max_norm))
         elif max_value is not None:
             torch.nn.utils.clip_grad_value_(params, max_value)
-        laid_out = [p for segment in self.layout.segments for p in segment.params]
-        uniform = self.layout.bound and all(p.grad is not None for p in laid_out)
+        segments = self.layout.segments
+        uniform = self.layout.bound and all(p.grad is not None for segment in segments for p in segment.params)
         type(self.optimizer).step(self.optimizer)
         self.eager_steps += 1
         if uniform:  # every count advanced by one, in place: the buffers still hold the state, no check (sync) needed
