@@ -6,8 +6,6 @@ For each model and policy, these phases, each in a fresh process:
 - ``same_machine``: the cold phase's Inductor/Triton caches, the compile cache off;
 - ``new_machine_mega``: empty Inductor/Triton caches, the bundle's mega-cache only (``cache.layers: [mega_cache]``);
 - ``new_machine``: empty Inductor/Triton caches, the whole bundle (mega-cache and the cache directories' files);
-- ``new_machine_no_warmup``: as ``new_machine``, without the compiler warm-up thread
-  (``compile_trainer.compiling.compiler_warmup``: torch's and Triton's key hashes computed in the background);
 - ``eager``: nothing compiled: what a first step costs anyway (the first kernels, cuBLAS, the optimizer's state).
 
 ``first_step_s`` runs from before the bundle is loaded to the end of the first training step (forward, backward,
@@ -15,9 +13,7 @@ optimizer), so load time is counted; the process's imports and model constructio
 is importing the compiler stack (``compiler_import_s``: Dynamo, AOTAutograd, Inductor, Triton), which a process
 pays at its first compile whatever its caches hold. ``first_step_s`` = ``load_s`` + ``compile_s`` (Dynamo's
 ``dynamo_s`` and its backend's ``backend_s``, cache loads included) + ``run_s`` (running the step: first kernels,
-CUDA-graph recording). Every compiled phase starts the compiler warm-up thread when the clock starts (a
-Lightning run starts it earlier, at the callback's ``setup``), except ``new_machine_no_warmup``; ``warmup_s`` is
-how long the thread took. ``vs_full_cold`` divides by the cold ``full`` phase of the same model (the issue's
+CUDA-graph recording). ``vs_full_cold`` divides by the cold ``full`` phase of the same model (the issue's
 goal: at most 0.10 on a new machine for both policies).
 Models: the recipe's ``gpt2_small`` (recipes.gpt, batch 8 x 1024) and the HF Llama of ``real_models.py``
 (LlamaForCausalLM, 16 layers, batch 8 x 1024); bf16 autocast, fused AdamW. Policies: ``regional`` and ``full``
@@ -59,7 +55,7 @@ from benchmarks.common import format_table, synchronize, write_result  # noqa: E
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")
-PHASES = ("cold", "same_machine", "new_machine_mega", "new_machine", "new_machine_no_warmup", "eager")
+PHASES = ("cold", "same_machine", "new_machine_mega", "new_machine", "eager")
 POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
 STEPS = 3  # the bundle is written after the third step: forward, backward and optimizer all compiled
 COLUMNS = [
@@ -80,7 +76,6 @@ COLUMNS = [
     "save_s",
     "startup_s",
     "compiler_import_s",
-    "warmup_s",
     "loss_rel_diff_vs_cold",
 ]
 
@@ -124,7 +119,6 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     """One phase, in this (fresh) process."""
     from compile_trainer import apply_policy, to_policy
     from compile_trainer.cache.session import CompileCache
-    from compile_trainer.compiling.compiler_warmup import start_compiler_warmup
     from compile_trainer.telemetry.compile_events import CompileTelemetry
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -146,7 +140,6 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
 
     synchronize(device)
     started = time.perf_counter()
-    warmup = start_compiler_warmup() if policy.enabled and args.phase != "new_machine_no_warmup" else None
     cache = CompileCache(policy.cache)
     cache.load(holder, policy, device)
     applied = apply_policy(holder, policy)
@@ -177,7 +170,6 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
         "backend_s": backend_s,
         "run_s": first_step - (summary.get("cache_load_s") or 0) - compile_s,
         "compiler_import_s": compiler_import_s,
-        "warmup_s": warmup.seconds if warmup is not None else None,
         "cache": summary["cache_status"] + (f" ({summary['cache_reason']})" if summary.get("cache_reason") else ""),
         "fx_graph_hit_miss": f"{summary.get('cache_fx_graph_hits', 0)}/{summary.get('cache_fx_graph_misses', 0)}",
         "bundle_mb": (cache.outcome.bundle_bytes or cache.outcome.saved_bytes) / 1e6 or None,

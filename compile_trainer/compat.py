@@ -367,24 +367,6 @@ def inductor_cache_dir() -> str:
     return cache_dir()
 
 
-def compiler_key_functions() -> List[Callable[[], Any]]:
-    """The per-process hashes of the installation that key Inductor's caches, each cached by torch (or Triton) once
-    computed: torch's sources (``codecache.torch_key``) and Triton's sources and library (``codecache.triton_key``
-    from 2.12, a ``prefetchable_cache`` whose callers wait for a computation under way; before, Triton's own
-    ``triton.runtime.cache.triton_key``, an ``lru_cache`` that ``get_system`` calls). Checked 2.13 on the CPU, 2.11
-    on an H100."""
-    from torch._inductor import codecache
-
-    functions: List[Callable[[], Any]] = [codecache.torch_key]
-    if hasattr(codecache, "triton_key"):
-        return [*functions, codecache.triton_key]
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # no Triton: Inductor keys its caches without it
-        return functions
-    return [*functions, triton_key]
-
-
 # Cache layer -> (counter group, hit counter, miss counter) in torch._dynamo.utils.counters (checked 2.13; its probe
 # finds the names in torch's sources, so a rename fails there).
 CACHE_COUNTERS = {
@@ -468,7 +450,6 @@ ENTRIES = [
     Entry("fresh_inductor_cache", fresh_inductor_cache),
     Entry("inductor_cache_dir", lambda: os.path.isdir(inductor_cache_dir())),
     Entry("cache_counters", _probe_cache_counters),
-    Entry("compiler_key_functions", lambda: [function() for function in compiler_key_functions()]),
 ]
 # Present from the version named: probed only there.
 VERSIONED_ENTRIES = [

@@ -22,5 +22,4 @@ def test_compile_cache_smoke_writes_cold_and_new_machine_rows(tmp_path):
     assert warm["loss_rel_diff_vs_cold"] < 1e-5  # the same compiled code (CPU kernels are deterministic)
     assert warm["dynamo_s"] > 0 and warm["backend_s"] > 0 and warm["compiler_import_s"] > 0
     assert abs(warm["run_s"] + warm["compile_s"] + warm["load_s"] - warm["first_step_s"]) < 1e-6
-    assert cold["warmup_s"] > 0 and warm["warmup_s"] > 0 and eager["warmup_s"] is None, "the compiler warm-up ran"
     assert eager["compile_s"] == 0 and eager["cache"] == "off" and eager["first_step_s"] < cold["first_step_s"]

@@ -110,8 +110,6 @@ def test_bundled_policy_with_overrides_from_yaml_compiles_and_trains(tmp_path):
     assert all(c.calls == STEPS for c in callback.applied.compiled), "every region ran compiled each step"
     assert cli.trainer.global_step == STEPS
     assert callback.summary()["compiles"] > 0
-    assert callback.compiler_warmup is not None and callback.compiler_warmup.join(timeout=300)
-    assert callback.summary()["compiler_warmup_s"] is not None, "setup started the compiler warm-up"
     assert callback.optimizer_steps == [], "the bundled policy leaves the optimizer alone"
 
     # The config LightningCLI saved for the run keeps the overrides: run again from it, the same policy.

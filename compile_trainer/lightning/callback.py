@@ -16,7 +16,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
-from compile_trainer.compiling.compiler_warmup import CompilerWarmup, start_compiler_warmup
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
@@ -67,7 +66,6 @@ class CompileCallback(pl.Callback):
         self.gradient_copies: Optional[GradientCopies] = None
         self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
         self.cache: Optional[CompileCache] = None
-        self.compiler_warmup: Optional[CompilerWarmup] = None  # the compiler's key hashes, computed from setup on
         self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
         self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
         config = to_telemetry_config(telemetry)
@@ -78,7 +76,6 @@ class CompileCallback(pl.Callback):
         summary = self.telemetry.summary() if self.telemetry is not None else {}
         summary |= self.background.summary() if self.background is not None else {}
         summary |= {"ranks": self.ranks} if self.ranks is not None else {}
-        summary |= self.compiler_warmup.summary() if self.compiler_warmup is not None else {}
         return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -155,8 +152,6 @@ class CompileCallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.strategy = strategy_kind(trainer.strategy)  # an unsupported strategy fails here, before training
-        if stage == "fit" and self.policy.enabled:  # beside the rest of setup, before the first compile needs it
-            self.compiler_warmup = start_compiler_warmup()
         if self.strategy != "single":
             check_distributed_runtime(self.policy)
         if stage == "fit" and self.policy.shapes.active:

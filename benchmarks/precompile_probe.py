@@ -1,0 +1,116 @@
+"""Probe: can a region's Dynamo trace travel in a bundle? ``torch.compile(...).aot_compile`` on a region entry.
+
+The compile cache's new-machine first step is mostly Dynamo tracing every frame again (docs/compile_cache.md).
+torch's precompile API (``aot_compile``: Dynamo's bytecode, guards and the backend's compiled code, serialized)
+would skip it. This probe compiles 12 GPT-2-small blocks through one entry shaped like ``apply_policy``'s, trains a
+step under bf16 autocast, serializes, and loads it in a fresh process with empty Inductor caches. Run each line in
+its own process (``--mode reduce-overhead`` for CUDA graphs):
+
+    python benchmarks/precompile_probe.py cold --mode default --out /tmp/probe
+    python benchmarks/precompile_probe.py load --mode default --out /tmp/probe
+    python benchmarks/precompile_probe.py load --mode default --load-under-autocast --out /tmp/probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 768, heads: int = 12):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(width, 2)
+        q, k, v = [t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v)]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, length, width)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+def _call_region(module: nn.Module, *args, **kwargs):
+    return module._call_impl(*args, **kwargs)
+
+
+ENTRY = types.FunctionType(
+    _call_region.__code__.replace(co_name="compiled_region__Block", co_qualname="compiled_region__Block"),
+    _call_region.__globals__,
+    "compiled_region__Block",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("phase", choices=["cold", "load"])
+    parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--load-under-autocast", action="store_true", help="deserialize inside the step's autocast")
+    args = parser.parse_args()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"/tmp/precompile_probe_{args.phase}_{args.mode}"
+    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):  # torch 2.11 hides .aot_compile behind it
+        torch._dynamo.config.enable_aot_compile = True
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([Block() for _ in range(12)]).cuda()
+    x = torch.randn(8, 1024, 768, device="cuda", requires_grad=True)
+
+    def step(run) -> torch.Tensor:
+        if args.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            h = x
+            for block in blocks:
+                h = run(block, h)
+            loss = h.float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    result = {"torch": torch.__version__, "phase": args.phase, "mode": args.mode}
+    result["load_under_autocast"] = args.load_under_autocast if args.phase == "load" else None
+    path = args.out / f"region_{args.mode}.bin"
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        if args.phase == "cold":
+            kwargs = {} if args.mode == "default" else {"mode": args.mode}
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                compiled = torch.compile(ENTRY, fullgraph=True, **kwargs).aot_compile(((blocks[0], x), {}))
+            result["compile_s"] = time.perf_counter() - started
+            path.write_bytes(type(compiled).serialize(compiled).serialized_data)
+            result["bytes"] = path.stat().st_size
+        else:
+            autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.load_under_autocast)
+            with autocast:  # the guards are rebuilt at load, under the state of that moment
+                compiled = AOTCompiledFunction.deserialize(path.read_bytes(), f_globals=ENTRY.__globals__)
+            result["load_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        result["loss"] = float(step(compiled))
+        torch.cuda.synchronize()
+        result["first_step_s"] = time.perf_counter() - started
+        result["outcome"] = "ok"
+    except Exception as error:  # the finding is the error: recorded, the probe goes on to write its row
+        result["outcome"] = f"{type(error).__name__}: {' '.join(str(error).split())[:400]}"
+    print(json.dumps(result))
+    suffix = "_autocast" if args.load_under_autocast else ""
+    (args.out / f"{args.phase}_{args.mode}{suffix}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
