@@ -9,6 +9,10 @@ its own process (``--mode reduce-overhead`` for CUDA graphs):
     python benchmarks/precompile_probe.py cold --mode default --out /tmp/probe
     python benchmarks/precompile_probe.py load --mode default --out /tmp/probe
     python benchmarks/precompile_probe.py load --mode default --load-under-autocast --out /tmp/probe
+    python benchmarks/precompile_probe.py normal_cold --mode default --out /tmp/probe   # torch.compile, cold
+    python benchmarks/precompile_probe.py normal_warm --mode default --out /tmp/probe   # on normal_cold's cache
+
+``first_step_s`` of the normal phases includes their compile (Dynamo and the backend, at the first call).
 """
 
 from __future__ import annotations
@@ -56,14 +60,23 @@ ENTRY = types.FunctionType(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("phase", choices=["cold", "load"])
+    parser.add_argument("phase", choices=["cold", "load", "normal_cold", "normal_warm"])
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--load-under-autocast", action="store_true", help="deserialize inside the step's autocast")
     args = parser.parse_args()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"/tmp/precompile_probe_{args.phase}_{args.mode}"
-    shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    # normal_warm: the normal compile on normal_cold's Inductor cache (what a bundle hit costs today)
+    directory = "normal_cold" if args.phase == "normal_warm" else args.phase
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"/tmp/precompile_probe_{directory}_{args.mode}"
+    if args.phase != "normal_warm":
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+    started = time.perf_counter()  # the compiler stack's import, which any first compile pays: timed apart
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import triton  # noqa: F401
     from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    compiler_import_s = time.perf_counter() - started
 
     if hasattr(torch._dynamo.config, "enable_aot_compile"):  # torch 2.11 hides .aot_compile behind it
         torch._dynamo.config.enable_aot_compile = True
@@ -84,6 +97,7 @@ def main() -> None:
 
     result = {"torch": torch.__version__, "phase": args.phase, "mode": args.mode}
     result["load_under_autocast"] = args.load_under_autocast if args.phase == "load" else None
+    result["compiler_import_s"] = compiler_import_s
     path = args.out / f"region_{args.mode}.bin"
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -95,6 +109,15 @@ def main() -> None:
             result["compile_s"] = time.perf_counter() - started
             path.write_bytes(type(compiled).serialize(compiled).serialized_data)
             result["bytes"] = path.stat().st_size
+        elif args.phase.startswith("normal"):
+            kwargs = {} if args.mode == "default" else {"mode": args.mode}
+            compiled_calls = {}
+
+            def compiled(block: nn.Module, h: torch.Tensor) -> torch.Tensor:  # apply_policy's shape: one entry
+                if block not in compiled_calls:
+                    compiled_calls[block] = torch.compile(types.MethodType(ENTRY, block), **kwargs)
+                return compiled_calls[block](h)
+
         else:
             autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.load_under_autocast)
             with autocast:  # the guards are rebuilt at load, under the state of that moment
