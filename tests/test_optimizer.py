@@ -89,6 +89,24 @@ def assert_same_params(a: nn.Module, b: nn.Module, atol: float = 1e-6):
         assert torch.allclose(x, y, rtol=1e-5, atol=atol), f"{name}: max diff {(x - y).abs().max():.2e}"
 
 
+def resume_both_ways(fresh, buffer: io.BytesIO, steps: int) -> list:
+    """Load the checkpoint in ``buffer`` into a compiled and an eager (model, optimizer, scheduler) from ``fresh``,
+    train each ``steps`` more steps; the compiled one must use the loaded state at once. Returns both models."""
+    resumed = []
+    for compiled in (True, False):
+        model, optimizer, scheduler = fresh(compiled)
+        buffer.seek(0)
+        checkpoint = torch.load(buffer, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["opt"])
+        scheduler.load_state_dict(checkpoint["sched"])
+        train(model, optimizer, scheduler, steps, first_step=steps)
+        if compiled:
+            assert optimizer.step.compiled_steps == steps, "the loaded state (and its step count) is used at once"
+        resumed.append(model)
+    return resumed
+
+
 def mixed_precision_atol(lr: float, steps: int, dtype: torch.dtype) -> float:
     """How far two runs whose fp32 weights differ in the last bits may drift under ``dtype`` autocast.
 
@@ -375,19 +393,7 @@ def test_state_dict_resumes_both_ways_with_identical_updates(saved_by):
     assert all(type(g["lr"]) is float for g in saved["param_groups"]), "scheduled values stay plain floats"
     assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
-    resumed = []
-    for compiled in (True, False):
-        model, optimizer, scheduler = fresh(compiled)
-        buffer.seek(0)
-        checkpoint = torch.load(buffer, weights_only=True)
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["opt"])
-        scheduler.load_state_dict(checkpoint["sched"])
-        train(model, optimizer, scheduler, 8, first_step=8)
-        if compiled:
-            assert optimizer.step.compiled_steps == 8, "loaded state is used by the compiled update at once"
-        resumed.append(model)
-    assert_same_params(*resumed)
+    assert_same_params(*resume_both_ways(fresh, buffer, steps=8))
 
 
 @pytest.mark.parametrize("max_norm", [None, 0.05])

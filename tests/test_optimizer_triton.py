@@ -17,6 +17,7 @@ from test_optimizer import (
     fit,
     groups_of,
     max_relative_difference,
+    resume_both_ways,
     train,
     warmup_cosine,
 )
@@ -170,19 +171,7 @@ def test_state_dict_resumes_both_ways(saved_by):
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict(), "sched": scheduler.state_dict()}, buffer)
     assert float(optimizer.state_dict()["state"][0]["step"]) == 6.0, "the kernel keeps the step counts"
-    resumed = []
-    for compiled in (True, False):
-        model, optimizer, scheduler = fresh(compiled)
-        buffer.seek(0)
-        checkpoint = torch.load(buffer, weights_only=True)
-        model.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["opt"])
-        scheduler.load_state_dict(checkpoint["sched"])
-        train(model, optimizer, scheduler, 6, first_step=6)
-        if compiled:
-            assert optimizer.step.compiled_steps == 6, "the loaded state (and its step count) is used at once"
-        resumed.append(model)
-    assert_same_params(*resumed)
+    assert_same_params(*resume_both_ways(fresh, buffer, steps=6))
 
 
 def test_kernel_choice_and_errors():
