@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -383,6 +384,65 @@ def cache_counters() -> Dict[str, tuple]:
     }
 
 
+# -- Precompiled functions (Dynamo's trace and the backend's code, serialized) ----------------------------
+# torch.compile(fn, fullgraph=True).aot_compile(((args), kwargs)) returns an AOTCompiledFunction: guard_check(*args,
+# **kwargs), .fn(*args, **kwargs) runs the compiled code; type(f).serialize(f).serialized_data and
+# AOTCompiledFunction.deserialize(data, f_globals=...) move it between processes. Behind
+# torch._dynamo.config.enable_aot_compile (checked 2.11 on an H100, 2.13 on the CPU). The guards are rebuilt at
+# load from the grad mode and autocast state of that moment; guards on globals are left out.
+AOT_COMPILE_VERSION = (2, 11)
+
+
+def aot_compile_problem() -> Optional[str]:
+    """Why this torch cannot serialize a compiled region (None when it can)."""
+    problem = needs_torch("the precompiled cache layer (torch.compile(...).aot_compile)", AOT_COMPILE_VERSION)
+    if problem is None and not hasattr(torch._dynamo, "aot_compile"):
+        problem = f"the precompiled cache layer: torch {torch.__version__} has no torch._dynamo.aot_compile"
+    return problem
+
+
+def aot_compile(
+    function: Callable[..., Any], compile_kwargs: Dict[str, Any], args: tuple, kwargs: Dict[str, Any]
+) -> Any:
+    """``function`` traced whole for these inputs (no graph break allowed) and compiled, without running it."""
+    patch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
+    with torch._dynamo.config.patch(**patch), warnings.catch_warnings():
+        # building the guards reads .grad of non-leaf inputs (a block's activations), which warns on 2.13
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        return torch.compile(function, **{**compile_kwargs, "fullgraph": True}).aot_compile((args, kwargs))
+
+
+def serialize_aot_compiled(compiled: Any) -> bytes:
+    return type(compiled).serialize(compiled).serialized_data
+
+
+def load_aot_compiled(data: bytes, f_globals: Dict[str, Any]) -> Any:
+    """The function ``serialize_aot_compiled`` wrote; its guards check the grad mode and autocast state of now."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AOTCompiledFunction.deserialize(data, f_globals=f_globals)
+
+
+def aot_changed_sources(compiled: Any, skip: Callable[[str], bool]) -> List[str]:
+    """Modules (not ``skip``-ped) whose source lines that Dynamo traced differ from the ones compiled."""
+    import hashlib
+    import importlib
+    import inspect
+
+    changed = []
+    for source in compiled.source_info().inlined_sources:
+        if skip(source.module):
+            continue
+        try:
+            lines = inspect.getsourcelines(importlib.import_module(source.module))[0]
+            text = "".join(lines[source.firstlineno - 1 : source.lastlineno - 1])
+        except (ImportError, OSError, TypeError):
+            text = None
+        if text is None or hashlib.sha256(text.encode()).hexdigest() != source.checksum:
+            changed.append(f"{source.module} (lines {source.firstlineno}-{source.lastlineno})")
+    return sorted(changed)
+
+
 # -- The probes --------------------------------------------------------------------------------------------
 
 
@@ -424,6 +484,16 @@ def _probe_cache_counters() -> None:
     assert set(cache_counters()) == set(CACHE_COUNTERS)
 
 
+def _probe_aot_compile() -> None:
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    compiled = aot_compile(double, {"backend": "eager"}, (torch.ones(2),), {})
+    assert compiled.guard_check(torch.ones(2)) and not compiled.guard_check(torch.ones(3))
+    assert torch.equal(compiled.fn(torch.ones(2)), torch.full((2,), 2.0))
+    assert isinstance(aot_changed_sources(compiled, lambda name: False), list)
+
+
 ENTRIES = [
     Entry("dynamo_callback_handler", lambda: dynamo_callback_handler().register_start_callback),
     Entry("compilation_metrics", lambda: list(compilation_metrics())),
@@ -455,4 +525,5 @@ ENTRIES = [
 VERSIONED_ENTRIES = [
     (Entry("eager_backward_lowering", eager_backward_lowering), (2, 11)),
     (Entry("nested_compile_region", lambda: torch.compiler.nested_compile_region), (2, 8)),
+    (Entry("aot_compile", _probe_aot_compile), AOT_COMPILE_VERSION),
 ]

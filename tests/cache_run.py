@@ -1,7 +1,7 @@
 """One training run under a compile cache, as a fresh process (a "new machine" when the test gives it empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR). Prints the run's summary as JSON on its last line.
 
-    python tests/cache_run.py CACHE_DIR [--wandb-dir DIR] [--mode read-write]
+    python tests/cache_run.py CACHE_DIR [--wandb-dir DIR] [--mode read-write] [--layers mega_cache cache_dirs]
 """
 
 import argparse
@@ -25,9 +25,10 @@ def main() -> None:
     parser.add_argument("cache_dir")
     parser.add_argument("--mode", default="read-write")
     parser.add_argument("--wandb-dir")
+    parser.add_argument("--layers", nargs="+", help="the bundle layers to use (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cache = {"dir": args.cache_dir, "mode": args.mode}
+    cache = {"dir": args.cache_dir, "mode": args.mode} | ({"layers": args.layers} if args.layers else {})
     callback = CompileCallback("regional", backend="inductor", cache=cache, telemetry={"measure_flops": False})
     logger = False
     if args.wandb_dir:

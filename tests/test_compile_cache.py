@@ -133,23 +133,34 @@ def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, t
     cold = _run(url, tmp_path / "machine1", s3_endpoint)
     assert cold["cache_status"] == "miss" and cold["cache_saves"] >= 1
     assert cold["cache_fx_graph_misses"] > 0 and all(misses > 0 for _, misses in cold["regions"].values())
+    assert cold["cache_precompiled_captures"] == cold["cache_precompiled_artifacts"] > 0
 
     warm = _run(url, tmp_path / "machine2", s3_endpoint, "--wandb-dir", str(tmp_path / "wandb"))
     assert warm["cache_status"] == "hit", warm["cache_reason"]
     assert warm["cache_key"] == cold["cache_key"]
-    assert warm["cache_cold_compile_s"] == pytest.approx(cold["compile_time_s"], rel=0.05)
-    assert warm["cache_fx_graph_misses"] == 0 and warm["cache_fx_graph_hits"] > 0
-    assert all(hits > 0 and misses == 0 for hits, misses in warm["regions"].values())
-    assert warm["compile_time_s"] + warm["cache_load_s"] < 0.5 * cold["compile_time_s"]
+    cold_compile_s = cold["compile_time_s"] + cold["cache_precompiled_capture_s"]  # captures lowered the backward
+    assert warm["cache_cold_compile_s"] == pytest.approx(cold_compile_s, rel=0.05)
+    # every region call served by its precompiled artifact: Dynamo traced nothing, the backend compiled nothing
+    assert warm["cache_precompiled_hits"] > 0 and warm["cache_precompiled_misses"] == 0
+    assert warm["cache_fx_graph_misses"] == 0 and warm["compile_time_s"] < 0.1 * cold_compile_s
     assert warm["cache_seconds_saved"] > 0
-    assert "cache: hit, bundle of " in warm["output"]
+    assert "cache: hit, bundle of " in warm["output"] and "call(s) served, 0 compiled" in warm["output"]
     assert warm["weights"] == cold["weights"]  # the bundle changed compile time, not results
     assert warm["cache_saves"] == 0  # nothing new compiled: nothing rewritten
 
     run = read_offline_run(next((tmp_path / "wandb").rglob("run-*.wandb")))
     assert run.summary["summary/cache_status"] == "hit"
-    assert run.summary["summary/cache_fx_graph_hits"] == warm["cache_fx_graph_hits"]
+    assert run.summary["summary/cache_precompiled_hits"] == warm["cache_precompiled_hits"]
     assert run.series("cache/hit")[-1] == 1.0
+
+    # without the precompiled layer, Dynamo traces again and the backend's work comes from the bundle
+    layers = _run(
+        url, tmp_path / "machine3", s3_endpoint, "--mode", "read-only", "--layers", "mega_cache", "cache_dirs"
+    )
+    assert layers["cache_fx_graph_misses"] == 0 and layers["cache_fx_graph_hits"] > 0
+    assert all(hits > 0 and misses == 0 for hits, misses in layers["regions"].values())
+    assert layers["compile_time_s"] + layers["cache_load_s"] < 0.5 * cold_compile_s
+    assert layers["weights"] == cold["weights"]
 
 
 def _fit(policy_overrides: dict):
@@ -231,5 +242,5 @@ def test_the_runs_of_a_multirun_read_the_bundle_the_first_one_wrote(tmp_path):
     first, second = (read_result(directory / str(job) / RESULT_FILE)["summary"] for job in (0, 1))
     assert first["cache_status"] == "miss" and first["cache_saves"] >= 1
     assert second["cache_status"] == "hit" and second["cache_key"] == first["cache_key"]
-    assert second["cache_fx_graph_misses"] == 0 and second["cache_fx_graph_hits"] > 0
+    assert second["cache_fx_graph_misses"] == 0 and second["cache_precompiled_hits"] > 0
     assert second["compile_time_s"] < first["compile_time_s"]

@@ -18,6 +18,10 @@ LENGTH_BYTES = 8
 SUFFIX = ".ctbundle"
 
 
+class CompileCacheWarning(UserWarning):
+    """A bundle could not be used or written; the run compiles cold (or keeps no bundle) and goes on."""
+
+
 class BundleError(ValueError):
     """A bundle that cannot be used; the message says why (truncated, corrupt, not a bundle)."""
 

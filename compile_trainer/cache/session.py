@@ -20,17 +20,15 @@ import torch
 from torch import nn
 
 from compile_trainer import compat
+from compile_trainer.cache import precompiled
 from compile_trainer.cache.artifacts import load_sections, save_sections
-from compile_trainer.cache.bundle import BundleError, decode, encode
+from compile_trainer.cache.bundle import BundleError, CompileCacheWarning, decode, encode
 from compile_trainer.cache.key import bundle_name, cache_key, key_fields, mismatch
 from compile_trainer.cache.storage import BundleStore
+from compile_trainer.compiling.regions import AppliedPolicy
 from compile_trainer.schema import CacheSettings, CompilePolicy
 
 log = logging.getLogger(__name__)
-
-
-class CompileCacheWarning(UserWarning):
-    """A bundle could not be used or written; the run compiles cold (or keeps no bundle) and goes on."""
 
 
 def process_rank() -> int:
@@ -60,6 +58,7 @@ class CacheOutcome:
     saves: int = 0
     save_s: float = 0.0
     saved_bytes: int = 0
+    precompiled: str = ""  # why the precompiled layer is not in use, when it is asked for and is not
 
 
 class CompileCache:
@@ -74,6 +73,8 @@ class CompileCache:
         self._counters_at_load = compat.cache_counters()
         self._misses_at_save = 0
         self._manifest: Dict[str, Any] = {}
+        self._artifacts: List[precompiled.Artifact] = []  # the bundle's precompiled section, until attach()
+        self.precompiled: Optional[precompiled.PrecompiledRegions] = None
 
     @property
     def name(self) -> str:
@@ -102,6 +103,8 @@ class CompileCache:
                     f"written for other settings: {mismatch(self.fields, bundle.manifest.get('fields', {}))}"
                 )
             self.outcome.loaded = load_sections({k: v for k, v in bundle.sections.items() if k in self.settings.layers})
+            if precompiled.SECTION in self.settings.layers and precompiled.SECTION in bundle.sections:
+                self._artifacts = precompiled.decode_artifacts(bundle.sections[precompiled.SECTION])
         except Exception as error:  # never fail a run for its cache: compile cold instead
             self.outcome.status, self.outcome.reason = "unusable", f"{type(error).__name__}: {error}"
             warnings.warn(
@@ -119,6 +122,22 @@ class CompileCache:
         self.outcome.bundle_bytes = len(data)
         self.outcome.cold_compile_s = bundle.manifest.get("cold_compile_s")
         return self.outcome
+
+    def attach(self, applied: AppliedPolicy) -> None:
+        """Serve ``applied``'s regions from the bundle's precompiled artifacts and capture what they compile
+        (when ``precompiled`` is among the layers); call after ``apply_policy``, before the first step."""
+        if not self.settings.active or precompiled.SECTION not in self.settings.layers or not applied.policy.enabled:
+            return
+        problem = compat.aot_compile_problem()
+        if problem is None and applied.policy.background:
+            problem = "background compiles are not captured (background: true)"
+        if problem is not None:
+            self.outcome.precompiled = problem
+            return
+        capture = self.settings.writes and self.rank == 0
+        if self._artifacts or capture:
+            self.precompiled = precompiled.PrecompiledRegions(self._artifacts, capture)
+            applied.interceptors.add(self.precompiled)
 
     def layer_counts(self) -> Dict[str, Dict[str, int]]:
         """Hits and misses per cache layer (FX graph, AOTAutograd) since the load."""
@@ -144,12 +163,21 @@ class CompileCache:
         first = self.outcome.saves == 0 and self.outcome.status != "hit" and used > 0
         if not self.settings.writes or not self.outcome.key or self.rank != 0:
             return False
-        if not (first or misses > self._misses_at_save):
+        captured = self.precompiled is not None and self.precompiled.captured_since_save
+        if not (first or misses > self._misses_at_save or captured):
             return False
         started = time.perf_counter()
         try:
             sections, counts = save_sections(list(self.settings.layers), self._started)
-            cold = self._manifest.get("cold_compile_s") if self.outcome.status == "hit" else compile_time_s
+            section = self.precompiled.section() if self.precompiled is not None else None
+            if section is not None:
+                sections[precompiled.SECTION] = section
+                counts["precompiled_artifacts"] = len(self.precompiled.artifacts)
+            cold = (
+                self._manifest.get("cold_compile_s")
+                if self.outcome.status == "hit"
+                else self._compile_s(compile_time_s)
+            )
             manifest = {
                 "key": self.outcome.key,
                 "fields": self.fields,
@@ -175,11 +203,19 @@ class CompileCache:
         log.info("compile cache: wrote %s (%.1f MB) to %s", self.name, len(data) / 1e6, self.settings.dir)
         return True
 
+    def _compile_s(self, compile_time_s: Optional[float]) -> Optional[float]:
+        """This run's compile time with the precompiled layer's captures: compile work of their own (AOTAutograd
+        lowers a captured backward at once, so the run's own backward compile is then a cache hit)."""
+        if compile_time_s is None or self.precompiled is None:
+            return compile_time_s
+        return compile_time_s + self.precompiled.capture_s
+
     def seconds_saved(self, compile_time_s: Optional[float]) -> Optional[float]:
         """The bundle's cold compile time less this run's compile and load time (a hit only)."""
         if self.outcome.status != "hit" or self.outcome.cold_compile_s is None or compile_time_s is None:
             return None
-        return self.outcome.cold_compile_s - compile_time_s - self.outcome.load_s
+        loaded_later = self.precompiled.load_s if self.precompiled is not None else 0.0
+        return self.outcome.cold_compile_s - compile_time_s - self.outcome.load_s - loaded_later
 
     def summary(self, compile_time_s: Optional[float] = None) -> Dict[str, Any]:
         """Flat keys for result.json, the loggers and the W&B summary (docs/telemetry.md)."""
@@ -200,18 +236,40 @@ class CompileCache:
         values |= {f"cache_{name}": value for name, value in self.outcome.loaded.items()}  # per bundle layer
         for layer, counts in self.layer_counts().items():
             values[f"cache_{layer}_hits"], values[f"cache_{layer}_misses"] = counts["hits"], counts["misses"]
+        if self.precompiled is not None:
+            values |= self.precompiled.summary()
+        elif self.outcome.precompiled:
+            values["cache_precompiled_off"] = self.outcome.precompiled
         return values
 
     def describe(self) -> str:
-        """One line for the plan table: ``cache: hit, bundle of <date> ...``."""
+        """Lines for the plan table and the fit's end: ``cache: hit, bundle of <date> ...``, then the precompiled
+        layer's."""
         outcome = self.outcome
         if not self.settings.active:
             return "cache: off"
         if outcome.status == "hit":
             cold = f", cold compile {outcome.cold_compile_s:.1f} s" if outcome.cold_compile_s is not None else ""
-            return (
+            line = (
                 f"cache: hit, bundle of {outcome.bundle_date} ({outcome.bundle_bytes / 1e6:.1f} MB{cold}), "
                 f"loaded in {outcome.load_s:.2f} s from {outcome.location}"
             )
-        writes = "; the bundle is written after warm-up" if self.settings.writes and self.rank == 0 else ""
-        return f"cache: {outcome.status} ({outcome.reason}) in {outcome.location}{writes}"
+        else:
+            writes = "; the bundle is written after warm-up" if self.settings.writes and self.rank == 0 else ""
+            line = f"cache: {outcome.status} ({outcome.reason}) in {outcome.location}{writes}"
+        if precompiled.SECTION not in self.settings.layers:
+            return line
+        return f"{line}\n{self._describe_precompiled()}"
+
+    def _describe_precompiled(self) -> str:
+        if self.precompiled is None:
+            return f"cache precompiled: off ({self.outcome.precompiled or 'nothing to serve, nothing captured'})"
+        summary = self.precompiled.summary()
+        line = (
+            f"cache precompiled: {summary['cache_precompiled_artifacts']} artifact(s), "
+            f"{summary['cache_precompiled_hits']} call(s) served, {summary['cache_precompiled_misses']} compiled"
+        )
+        if self.precompiled.captured:
+            line += f", {len(self.precompiled.captured)} captured in {self.precompiled.capture_s:.1f} s"
+        skipped = summary["cache_precompiled_skipped"] or {}
+        return line + "".join(f"\n  not precompiled: {name}: {why}" for name, why in skipped.items())

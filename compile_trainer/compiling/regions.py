@@ -45,6 +45,8 @@ class CompiledRegion:
 
     region: Region
     entry: types.FunctionType  # the top frame Dynamo compiles; its code name is what Dynamo reports
+    # What the entry is for: its region's class, compile settings and block structure (the same in any process).
+    entry_key: str
     compile_kwargs: Dict[str, Any]
     calls: int = 0
     # Compiled by a background thread: with a backend whose graphs it can compile without running them.
@@ -360,7 +362,10 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
         key = repr(sorted(kwargs.items())) + (region.structure if region.role == "block" else f"@{region.name}")
         entry = _entry_function(type(region.module), key)
-        item = CompiledRegion(region=region, entry=entry, compile_kwargs=kwargs, background=policy.background)
+        cls = type(region.module)
+        item = CompiledRegion(
+            region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs, background=policy.background
+        )
         compat.install_compiled_call(
             region.module, RegionCall(item, item.compile_on(region.module), applied.interceptors)
         )

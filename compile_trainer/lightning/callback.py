@@ -96,6 +96,8 @@ class CompileCallback(pl.Callback):
             self.cache = CompileCache(self.policy.cache)
             self.cache.load(pl_module, self.policy, pl_module.device)
         self.applied = self._adopt_applied(pl_module) or apply_policy(pl_module, self.policy, device=pl_module.device)
+        if self.cache is not None:
+            self.cache.attach(self.applied)
         if self.policy.background and self.policy.enabled:
             if compiles_in_background(self.strategy):
                 self.background = BackgroundCompile(self.applied)

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 CACHE_MODES = ("read-write", "read-only", "off")
-# What a bundle carries: the mega-cache (``torch.compiler.save_cache_artifacts``) and the files this run wrote
-# into Inductor's and Triton's cache directories (FX graphs, AOTAutograd entries, compiled kernels).
-CACHE_LAYERS = ("mega_cache", "cache_dirs")
+# What a bundle carries: the mega-cache (``torch.compiler.save_cache_artifacts``), the files this run wrote
+# into Inductor's and Triton's cache directories (FX graphs, AOTAutograd entries, compiled kernels), and each
+# region's Dynamo trace with its compiled code (``precompiled``: torch >= 2.11; cache/precompiled.py).
+CACHE_LAYERS = ("mega_cache", "cache_dirs", "precompiled")
 
 
 @dataclass

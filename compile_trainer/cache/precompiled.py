@@ -1,0 +1,210 @@
+"""The ``precompiled`` bundle layer: each region's Dynamo trace with its compiled code, serialized.
+
+Why: with the other layers a new machine's compiles are cache hits for the backend, but Dynamo still traces every
+region again, most of the first step (docs/compile_cache.md). ``torch.compile(...).aot_compile`` serializes the
+trace, its guards and the backend's code together (``compat.aot_compile``).
+
+Capture (a run that writes bundles): when a region's call compiled something, the same call is traced once more
+by ``aot_compile``, with the same inputs and under the same grad mode and autocast state (the backend's work is a
+cache hit by then); regions with a graph break are left out (``skipped``).
+
+Serve (a run that loaded a bundle): at a region's first call in a grad-mode/autocast state, the artifacts captured
+in that state are loaded (under that state: their guards are rebuilt from the state at load) and serve every call
+their guards accept; any other call goes to the region's normal compile, as without the layer. An artifact whose
+model code changed since it was captured (the sources Dynamo traced, torch's own excepted: its version is in the
+bundle's key) is never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+
+from compile_trainer import compat
+from compile_trainer.cache.bundle import BundleError, CompileCacheWarning, decode, encode
+from compile_trainer.compiling.region_call import PRECOMPILED
+from compile_trainer.compiling.regions import CompiledRegion
+
+log = logging.getLogger(__name__)
+
+SECTION = "precompiled"
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def global_state() -> str:
+    """The global state a loaded artifact's guards are built from: grad mode, inference mode, autocast."""
+    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in AUTOCAST_DEVICES]
+    return repr((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast))
+
+
+def _why_not_captured(error: Exception) -> str:
+    """The error's first line and the user code it points at last (Dynamo's errors end with a long stack)."""
+    message = str(error)
+    first = " ".join(message.strip().split("\n")[0].split())[:200]
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', message)
+    if not frames:
+        return f"{type(error).__name__}: {first}"
+    path, line, function, code = frames[-1]
+    return f"{type(error).__name__}: {first} (at {Path(path).name}:{line} in {function}: {code.strip()})"
+
+
+def _torch_source(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
+    """The parameters' ``.grad`` set to None for the duration, then put back.
+
+    The serialized guards keep each parameter with its ``.grad``; a gradient outside the guards is written as a
+    placeholder that torch then fails to load ("assigned grad expected to be a Tensor or None", torch 2.13 under
+    DDP, whose parameters hold their gradients at the next forward). The trace does not read them.
+    """
+    held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+    for parameter, _ in held:
+        parameter.grad = None
+    try:
+        yield
+    finally:
+        for parameter, grad in held:
+            parameter.grad = grad
+
+
+@dataclass
+class Artifact:
+    entry_key: str  # CompiledRegion.entry_key: the compiled entry it serves
+    region: str  # the region whose call captured it
+    state: str  # global_state() at capture
+    data: bytes
+    function: Optional[Any] = None  # loaded (compat.load_aot_compiled)
+
+
+def encode_artifacts(artifacts: List[Artifact]) -> bytes:
+    listed = [{"entry_key": a.entry_key, "region": a.region, "state": a.state} for a in artifacts]
+    return encode({"artifacts": listed}, {str(index): a.data for index, a in enumerate(artifacts)})
+
+
+def decode_artifacts(data: bytes) -> List[Artifact]:
+    section = decode(data)
+    try:
+        return [
+            Artifact(**fields, data=section.sections[str(i)]) for i, fields in enumerate(section.manifest["artifacts"])
+        ]
+    except (KeyError, TypeError) as error:
+        raise BundleError(f"corrupt precompiled section ({type(error).__name__}: {error})") from error
+
+
+class PrecompiledRegions:
+    """An interceptor (``region_call``): serves region calls from loaded artifacts, captures new compiles."""
+
+    position = PRECOMPILED
+    replaces_compiled = False  # what it serves is the region's compiled code (CUDA graphs need the step marks)
+
+    def __init__(self, loaded: List[Artifact], capture: bool):
+        self.loaded = loaded  # from the bundle; served once loaded (dropped when they cannot be)
+        self.captured: List[Artifact] = []  # this run's: saved, not served (the run has its compiled code)
+        self.capture = capture
+        self.hits: Counter = Counter()  # region -> calls served by a loaded artifact
+        self.misses: Counter = Counter()  # region -> calls that compiled (Dynamo traced) instead
+        self.skipped: Dict[str, str] = {}  # region -> why it is not captured or its artifacts not used
+        self.uncapturable: Set[str] = set()  # entry keys whose capture failed once: not tried again
+        self.capture_s, self.load_s = 0.0, 0.0
+        self._ready: Dict[Tuple[str, str], List[Artifact]] = {}  # (entry_key, state) -> loaded artifacts
+        self._captures_at_save = 0
+
+    def __call__(self, item: CompiledRegion, proceed: Callable[..., Any], args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        module = item.region.module
+        for artifact in self._loaded(item):
+            if artifact.function.guard_check(module, *args, **kwargs):
+                self.hits[item.region.name] += 1
+                item.calls += 1
+                return artifact.function.fn(module, *args, **kwargs)
+        graphs = compat.unique_graphs()
+        result = proceed(*args, **kwargs)
+        if compat.unique_graphs() != graphs:
+            self.misses[item.region.name] += 1
+            if self.capture and item.entry_key not in self.uncapturable:
+                self._capture(item, (module, *args), kwargs)
+        return result
+
+    def _loaded(self, item: CompiledRegion) -> List[Artifact]:
+        if not self.loaded:
+            return []
+        key = (item.entry_key, global_state())
+        if key not in self._ready:
+            started = time.perf_counter()  # loaded now, under the state they will be checked in
+            self._ready[key] = [a for a in self.loaded if (a.entry_key, a.state) == key and self._load(a, item)]
+            self.load_s += time.perf_counter() - started
+        return self._ready[key]
+
+    def _load(self, artifact: Artifact, item: CompiledRegion) -> bool:
+        """Load ``artifact``; one that cannot be used is dropped (a warning says why) and never saved again."""
+        try:
+            function = compat.load_aot_compiled(artifact.data, item.entry.__globals__)
+            changed = compat.aot_changed_sources(function, skip=_torch_source)
+            if changed:
+                raise BundleError(f"the model's code changed since it was compiled: {', '.join(changed)}")
+        except Exception as error:
+            self.loaded.remove(artifact)
+            self.skipped[item.region.name] = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"compile cache: precompiled {item.region.name!r} not used ({self.skipped[item.region.name]}); "
+                "it compiles as without the layer",
+                CompileCacheWarning,
+                stacklevel=2,
+            )
+            return False
+        artifact.function = function
+        return True
+
+    def _capture(self, item: CompiledRegion, args: Tuple, kwargs: Dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            with _gradients_set_aside(item.region.module):
+                function = compat.aot_compile(item.entry, item.compile_kwargs, args, kwargs)
+            data = compat.serialize_aot_compiled(function)
+        except Exception as error:  # a graph break, a backend that cannot serialize: compiled as usual
+            self.uncapturable.add(item.entry_key)
+            self.skipped[item.region.name] = _why_not_captured(error)
+            log.info("compile cache: %s not precompiled (%s)", item.region.name, self.skipped[item.region.name])
+            return
+        finally:
+            self.capture_s += time.perf_counter() - started
+        self.captured.append(Artifact(item.entry_key, item.region.name, global_state(), data))
+
+    @property
+    def artifacts(self) -> List[Artifact]:
+        """What the next bundle carries: the loaded artifacts still usable, and this run's captures."""
+        return self.loaded + self.captured
+
+    @property
+    def captured_since_save(self) -> bool:
+        return len(self.captured) > self._captures_at_save
+
+    def section(self) -> Optional[bytes]:
+        """Every usable artifact (loaded or captured) as the bundle's section; None when there is none."""
+        self._captures_at_save = len(self.captured)
+        return encode_artifacts(self.artifacts) if self.artifacts else None
+
+    def summary(self) -> Dict[str, Any]:
+        return {
+            "cache_precompiled_hits": sum(self.hits.values()),
+            "cache_precompiled_misses": sum(self.misses.values()),
+            "cache_precompiled_artifacts": len(self.artifacts),
+            "cache_precompiled_captures": len(self.captured),
+            "cache_precompiled_capture_s": self.capture_s,
+            "cache_precompiled_load_s": self.load_s,
+            "cache_precompiled_regions": {
+                name: {"hits": self.hits[name], "misses": self.misses[name]} for name in self.hits | self.misses
+            },
+            "cache_precompiled_skipped": dict(self.skipped) or None,
+        }

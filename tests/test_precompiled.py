@@ -1,0 +1,144 @@
+"""The compile cache's ``precompiled`` layer: regions' Dynamo traces serialized with aot_compile, served after a load.
+
+Each test is two runs in one process: the first writes a bundle, ``torch._dynamo.reset()`` empties Dynamo's
+caches, and the second loads the bundle into a fresh model. The library is used without Lightning
+(``CompileCache`` + ``apply_policy``), as the callback wires it; a real Lightning run on a new machine, with
+Inductor, is in test_compile_cache.py.
+"""
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from compile_trainer import compat
+from compile_trainer.cache.session import CompileCache, CompileCacheWarning
+from compile_trainer.compiling.regions import apply_policy
+from compile_trainer.schema import to_policy
+from tests.telemetry_models import WIDTH, ItemBreakBlock, Net
+
+pytestmark = pytest.mark.skipif(
+    compat.aot_compile_problem() is not None, reason=str(compat.aot_compile_problem())
+)  # CI's torch (2.13) has it: these run there
+
+
+def _run(model, tmp_path, policy="regional", **overrides):
+    """A run under the cache: the bundle loaded, the policy applied, the precompiled layer attached."""
+    torch._dynamo.reset()
+    policy = to_policy(policy, **{"backend": "aot_eager", "cache": {"dir": str(tmp_path)}, **overrides})
+    cache = CompileCache(policy.cache, rank=0)
+    cache.load(model, policy, torch.device("cpu"))
+    applied = apply_policy(model, policy)
+    cache.attach(applied)
+    return cache, applied
+
+
+def _net(block=None):
+    torch.manual_seed(0)
+    return Net(block) if block else Net(n_blocks=3)
+
+
+def _step(model, x):
+    """Loss and gradients of one forward and backward."""
+    model.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(step, reference):
+    assert torch.allclose(step[0], reference[0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(step[1], reference[1]))
+
+
+def test_a_loaded_bundle_serves_every_region_without_tracing_and_compiles_what_its_guards_reject(tmp_path):
+    x = torch.randn(4, WIDTH)
+    reference = _step(_net(), x)
+
+    cache, applied = _run(_net(), tmp_path)
+    _assert_same(_step(applied.root, x), reference)
+    assert len(cache.precompiled.captured) == len(applied.shared_counts())  # one per compiled entry
+    assert cache.save([item.region.name for item in applied.compiled], 1.0)
+
+    cache, applied = _run(_net(), tmp_path)
+    assert cache.outcome.status == "hit"
+    graphs = compat.unique_graphs()
+    _assert_same(_step(applied.root, x), reference)
+    assert compat.unique_graphs() == graphs, "Dynamo traced a region the bundle had"
+    summary = cache.summary(0.0)
+    served = sum(item.calls for item in applied.compiled)
+    assert summary["cache_precompiled_hits"] == served == 5  # embed, 3 blocks, head
+    assert summary["cache_precompiled_misses"] == 0 and summary["cache_precompiled_load_s"] > 0
+    assert "5 call(s) served, 0 compiled" in cache.describe()
+
+    with torch.no_grad():  # no artifact of this grad mode: compiled as without the layer
+        assert torch.allclose(applied.root(x), _net()(x), atol=1e-6)
+    other = torch.randn(6, WIDTH)  # the loaded guards reject another batch size
+    assert torch.allclose(applied.root(other), _net()(other), atol=1e-6)
+    assert compat.unique_graphs() > graphs and cache.summary(0.0)["cache_precompiled_misses"] > 0
+    assert cache.precompiled.captured_since_save  # the new graphs are captured for the next bundle
+    assert cache.save([], 1.0)
+    cache, applied = _run(_net(), tmp_path)
+    assert len(cache.precompiled.artifacts) > len(applied.shared_counts())
+
+
+MODEL_V1 = """
+import torch
+from torch import nn
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * 2
+"""
+
+
+def test_an_artifact_of_changed_model_code_is_never_used(tmp_path, monkeypatch):
+    """Same structure (same bundle key), other code in forward: the traced sources' checksums tell them apart."""
+    source = tmp_path / "precompiled_user_model.py"
+    source.write_text(MODEL_V1)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("precompiled_user_model")
+    x = torch.ones(2, 4)
+    cache, applied = _run(torch.nn.Sequential(module.Scaled()), tmp_path / "bundles", policy="full")
+    applied.root(x)
+    assert cache.save(["0"], 1.0)
+
+    source.write_text(MODEL_V1.replace("* 2", "* 3"))
+    module = importlib.reload(module)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(module.Scaled())  # "full": its top-level submodule is the region
+    expected = model(x)
+    cache, applied = _run(model, tmp_path / "bundles", policy="full")
+    assert cache.outcome.status == "hit"
+    with pytest.warns(CompileCacheWarning, match=r"model's code changed .*precompiled_user_model \(lines"):
+        assert torch.equal(applied.root(x), expected)
+    assert cache.summary(0.0)["cache_precompiled_hits"] == 0
+    # the stale artifact is dropped (never written again); the one kept is this run's capture of the new code
+    assert len(cache.precompiled.captured) == len(cache.precompiled.artifacts) == 1
+    sys.modules.pop("precompiled_user_model")
+
+
+def test_a_region_with_a_graph_break_is_named_and_compiles_as_usual(tmp_path):
+    x = torch.randn(4, WIDTH)
+    reference = _step(_net(ItemBreakBlock), x)
+    model = torch.nn.Sequential(_net(ItemBreakBlock))  # "full": the Net is the one region
+    cache, applied = _run(model, tmp_path, policy="full")
+    _assert_same(_step(applied.root, x), reference)
+    skipped = cache.summary(1.0)["cache_precompiled_skipped"]
+    assert list(skipped) == ["0"], skipped
+    assert "(at telemetry_models.py:23 in forward: if x.sum().item() > 0:" in skipped["0"]  # the line that broke it
+    assert "not precompiled: 0: " in cache.describe()
+
+
+def test_the_layer_says_why_it_is_off(tmp_path):
+    cache, applied = _run(torch.nn.Sequential(_net()), tmp_path, policy="full", background=True)
+    assert cache.precompiled is None
+    assert "background compiles are not captured" in cache.summary()["cache_precompiled_off"]
+    assert "cache precompiled: off (background compiles" in cache.describe()
+    cache, applied = _run(_net(), tmp_path, cache={"dir": str(tmp_path), "layers": ["mega_cache"]})
+    assert cache.precompiled is None and "precompiled" not in cache.describe()
