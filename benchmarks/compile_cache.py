@@ -170,7 +170,7 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
             first_load_s, capture_s = (layer.load_s, layer.capture_s) if layer is not None else (0.0, 0.0)
     telemetry.collect()
     compile_s = telemetry.compile_time_s
-    cache.save([item.region.name for item in applied.compiled], compile_s)
+    cache.save([item.region.name for item in applied.compiled], compile_s, final=True)
     telemetry.uninstall()
     summary = cache.summary(compile_s)
     dynamo_s, backend_s = compile_phases()

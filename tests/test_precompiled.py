@@ -58,8 +58,9 @@ def test_a_loaded_bundle_serves_every_region_without_tracing_and_compiles_what_i
 
     cache, applied = _run(_net(), tmp_path)
     _assert_same(_step(applied.root, x), reference)
-    assert len(cache.precompiled.captured) == len(applied.shared_counts())  # one per compiled entry
-    assert cache.save([item.region.name for item in applied.compiled], 1.0)
+    assert len(cache.precompiled.pending) == len(applied.shared_counts())  # one per compiled entry, kept
+    assert cache.save([item.region.name for item in applied.compiled], 1.0, final=True)  # captured, then saved
+    assert len(cache.precompiled.captured) == len(applied.shared_counts()) and not cache.precompiled.pending
 
     cache, applied = _run(_net(), tmp_path)
     assert cache.outcome.status == "hit"
@@ -77,8 +78,8 @@ def test_a_loaded_bundle_serves_every_region_without_tracing_and_compiles_what_i
     other = torch.randn(6, WIDTH)  # the loaded guards reject another batch size
     assert torch.allclose(applied.root(other), _net()(other), atol=1e-6)
     assert compat.unique_graphs() > graphs and cache.summary(0.0)["cache_precompiled_misses"] > 0
-    assert cache.precompiled.captured_since_save  # the new graphs are captured for the next bundle
-    assert cache.save([], 1.0)
+    assert cache.precompiled.pending  # the new graphs are captured for the next bundle, after training
+    assert cache.save([], 1.0, final=True)
     cache, applied = _run(_net(), tmp_path)
     assert len(cache.precompiled.artifacts) > len(applied.shared_counts())
 
@@ -106,7 +107,7 @@ def test_an_artifact_of_changed_model_code_is_never_used(tmp_path, monkeypatch):
     x = torch.ones(2, 4)
     cache, applied = _run(torch.nn.Sequential(module.Scaled()), tmp_path / "bundles", policy="full")
     applied.root(x)
-    assert cache.save(["0"], 1.0)
+    assert cache.save(["0"], 1.0, final=True)
 
     source.write_text(MODEL_V1.replace("* 2", "* 3"))
     module = importlib.reload(module)
@@ -118,8 +119,8 @@ def test_an_artifact_of_changed_model_code_is_never_used(tmp_path, monkeypatch):
     with pytest.warns(CompileCacheWarning, match=r"model's code changed .*precompiled_user_model \(lines"):
         assert torch.equal(applied.root(x), expected)
     assert cache.summary(0.0)["cache_precompiled_hits"] == 0
-    # the stale artifact is dropped (never written again); the one kept is this run's capture of the new code
-    assert len(cache.precompiled.captured) == len(cache.precompiled.artifacts) == 1
+    # the stale artifact is dropped (never written again); the new code's compile is kept for capture
+    assert not cache.precompiled.loaded and len(cache.precompiled.pending) == 1
     sys.modules.pop("precompiled_user_model")
 
 
@@ -129,6 +130,7 @@ def test_a_region_with_a_graph_break_is_named_and_compiles_as_usual(tmp_path):
     model = torch.nn.Sequential(_net(ItemBreakBlock))  # "full": the Net is the one region
     cache, applied = _run(model, tmp_path, policy="full")
     _assert_same(_step(applied.root, x), reference)
+    cache.save(["0"], 1.0, final=True)
     skipped = cache.summary(1.0)["cache_precompiled_skipped"]
     assert list(skipped) == ["0"], skipped
     assert "(at telemetry_models.py:23 in forward: if x.sum().item() > 0:" in skipped["0"]  # the line that broke it

@@ -4,9 +4,13 @@ Why: with the other layers a new machine's compiles are cache hits for the backe
 region again, most of the first step (docs/compile_cache.md). ``torch.compile(...).aot_compile`` serializes the
 trace, its guards and the backend's code together (``compat.aot_compile``).
 
-Capture (a run that writes bundles): when a region's call compiled something, the same call is traced once more
-by ``aot_compile``, with the same inputs and under the same grad mode and autocast state (the backend's work is a
-cache hit by then); regions with a graph break are left out (``skipped``).
+Capture (a run that writes bundles): when a region's call compiled something, a copy of its inputs is kept with
+its grad mode, autocast state and modules' training flags; at the end of training (``capture_pending``, the
+callback's fit end) each is traced once more by ``aot_compile`` under that state, and serialized. Regions with a
+graph break are left out (``skipped``). Not during training: an ``aot_compile`` between a region's compile and its
+CUDA-graph recording made the recording fail (cudaErrorStreamCaptureInvalidated; H100, torch 2.11, regional
+GPT-2). The capture lowers the graphs with Inductor again (its FX graph cache is off for serializable compiles;
+Triton's binaries are cache hits): in the order of a cold compile's backend time, paid once per bundle.
 
 Serve (a run that loaded a bundle): at a region's first call in a grad-mode/autocast state, the artifacts captured
 in that state are loaded (under that state: their guards are rebuilt from the state at load) and serve every call
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
+from torch.utils._pytree import tree_map
 
 from compile_trainer import compat
 from compile_trainer.cache.bundle import BundleError, CompileCacheWarning, decode, encode
@@ -40,10 +45,65 @@ SECTION = "precompiled"
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...]]
+
+
+def current_state() -> GlobalState:
+    """The global state a loaded artifact's guards are built from: grad mode, inference mode, autocast per device."""
+    autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in AUTOCAST_DEVICES)
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast
+
+
 def global_state() -> str:
-    """The global state a loaded artifact's guards are built from: grad mode, inference mode, autocast."""
-    autocast = [(d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in AUTOCAST_DEVICES]
-    return repr((torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast))
+    return repr(current_state())
+
+
+@contextlib.contextmanager
+def _entered(state: GlobalState) -> Iterator[None]:
+    """``state`` for the duration: the grad and inference modes, autocast on or off per device."""
+    grad, inference, autocast = state
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device, enabled, dtype in autocast:
+            if enabled:
+                stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype.removeprefix("torch."))))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
+def _training_flags(flags: List[Tuple[torch.nn.Module, bool]]) -> Iterator[None]:
+    """Each module's ``training`` as recorded, then back."""
+    before = [(module, module.training) for module, _ in flags]
+    for module, training in flags:
+        module.training = training
+    try:
+        yield
+    finally:
+        for module, training in before:
+            module.training = training
+
+
+def _input_copy(value: Any) -> Any:
+    """A tensor's detached copy with its ``requires_grad`` and its dynamic-shape marks; anything else as is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().clone().requires_grad_(value.requires_grad)
+    copy.__dict__.update({k: v for k, v in value.__dict__.items() if k.startswith("_dynamo")})
+    return copy
+
+
+@dataclass
+class PendingCapture:
+    """A region call that compiled, kept until ``capture_pending`` traces it for the bundle."""
+
+    item: CompiledRegion
+    state: GlobalState
+    training: List[Tuple[torch.nn.Module, bool]]
+    args: Tuple
+    kwargs: Dict[str, Any]
 
 
 def _why_not_captured(error: Exception) -> str:
@@ -118,6 +178,7 @@ class PrecompiledRegions:
         self.skipped: Dict[str, str] = {}  # region -> why it is not captured or its artifacts not used
         self.uncapturable: Set[str] = set()  # entry keys whose capture failed once: not tried again
         self.capture_s, self.load_s = 0.0, 0.0
+        self.pending: List[PendingCapture] = []
         self._ready: Dict[Tuple[str, str], List[Artifact]] = {}  # (entry_key, state) -> loaded artifacts
         self._captures_at_save = 0
 
@@ -132,9 +193,21 @@ class PrecompiledRegions:
         result = proceed(*args, **kwargs)
         if compat.unique_graphs() != graphs:
             self.misses[item.region.name] += 1
-            if self.capture and item.entry_key not in self.uncapturable:
-                self._capture(item, (module, *args), kwargs)
+            if self.capture:
+                self._keep(item, args, kwargs)
         return result
+
+    def _keep(self, item: CompiledRegion, args: Tuple, kwargs: Dict[str, Any]) -> None:
+        training = [(module, module.training) for module in item.region.module.modules()]
+        args, kwargs = tree_map(_input_copy, (args, kwargs))
+        self.pending.append(PendingCapture(item, current_state(), training, args, kwargs))
+
+    def capture_pending(self) -> None:
+        """Trace and serialize the region calls that compiled since the last time (call after training)."""
+        pending, self.pending = self.pending, []
+        for call in pending:
+            if call.item.entry_key not in self.uncapturable:
+                self._capture(call)
 
     def _loaded(self, item: CompiledRegion) -> List[Artifact]:
         if not self.loaded:
@@ -166,11 +239,12 @@ class PrecompiledRegions:
         artifact.function = function
         return True
 
-    def _capture(self, item: CompiledRegion, args: Tuple, kwargs: Dict[str, Any]) -> None:
-        started = time.perf_counter()
+    def _capture(self, call: PendingCapture) -> None:
+        item, started = call.item, time.perf_counter()
         try:
-            with _gradients_set_aside(item.region.module):
-                function = compat.aot_compile(item.entry, item.compile_kwargs, args, kwargs)
+            module = item.region.module
+            with _entered(call.state), _training_flags(call.training), _gradients_set_aside(module):
+                function = compat.aot_compile(item.entry, item.compile_kwargs, (module, *call.args), call.kwargs)
             data = compat.serialize_aot_compiled(function)
         except Exception as error:  # a graph break, a backend that cannot serialize: compiled as usual
             self.uncapturable.add(item.entry_key)
@@ -179,7 +253,7 @@ class PrecompiledRegions:
             return
         finally:
             self.capture_s += time.perf_counter() - started
-        self.captured.append(Artifact(item.entry_key, item.region.name, global_state(), data))
+        self.captured.append(Artifact(item.entry_key, item.region.name, repr(call.state), data))
 
     @property
     def artifacts(self) -> List[Artifact]:

@@ -150,12 +150,16 @@ class CompileCache:
             for layer, (hits, misses) in now.items()
         }
 
-    def save(self, regions: List[str], compile_time_s: Optional[float]) -> bool:
+    def save(self, regions: List[str], compile_time_s: Optional[float], final: bool = False) -> bool:
         """Write the bundle if this rank writes and something was compiled (a cache miss) since the last save.
 
         ``compile_time_s``: this run's compile time so far; kept in the bundle as its cold compile time (a bundle
-        updated by a run that hit keeps the cold time it had). Returns whether a bundle was written.
+        updated by a run that hit keeps the cold time it had). ``final``: training is over, so the precompiled
+        layer captures the region calls that compiled (``PrecompiledRegions.capture_pending``) into this save.
+        Returns whether a bundle was written.
         """
+        if final and self.precompiled is not None and self.rank == 0:
+            self.precompiled.capture_pending()
         counts = self.layer_counts().values()
         misses, used = sum(c["misses"] for c in counts), sum(c["hits"] + c["misses"] for c in counts)
         # The first bundle as soon as anything went through torch's caches (a warm local cache hits), then again

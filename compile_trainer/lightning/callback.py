@@ -186,12 +186,12 @@ class CompileCallback(pl.Callback):
         if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
             self._save_cache()
 
-    def _save_cache(self) -> None:
-        """Write the bundle when warm (after the first steps, each validation, the fit); the cache decides
-        whether anything new was compiled since its last save."""
+    def _save_cache(self, final: bool = False) -> None:
+        """Write the bundle when warm (after the first steps, each validation, the fit: ``final``, with the
+        precompiled regions); the cache decides whether anything new was compiled since its last save."""
         if self.cache is not None and self.applied is not None:
             regions = [item.region.name for item in self.applied.compiled]
-            self.cache.save(regions, self.summary().get("compile_time_s"))
+            self.cache.save(regions, self.summary().get("compile_time_s"), final=final)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.telemetry is not None:
@@ -209,7 +209,7 @@ class CompileCallback(pl.Callback):
         if self.background is not None and not self.background.installed:
             self.background.close()  # a thread cannot be stopped: training ended before the compile did
             _log_background(trainer, self.background)
-        self._save_cache()
+        self._save_cache(final=True)
         self._report_ranks(trainer)
         cache = self.cache.summary(self.summary().get("compile_time_s")) if self.cache is not None else {}
         if self.telemetry is not None:
