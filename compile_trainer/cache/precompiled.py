@@ -87,10 +87,12 @@ def _training_flags(flags: List[Tuple[torch.nn.Module, bool]]) -> Iterator[None]
 
 
 def _input_copy(value: Any) -> Any:
-    """A tensor's detached copy with its ``requires_grad`` and its dynamic-shape marks; anything else as is."""
+    """A tensor's detached copy with its strides (guarded: a slice's too), ``requires_grad`` and dynamic-shape marks;
+    anything else as is."""
     if not isinstance(value, torch.Tensor):
         return value
-    copy = value.detach().clone().requires_grad_(value.requires_grad)
+    copy = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
+    copy = copy.copy_(value.detach()).requires_grad_(value.requires_grad)
     copy.__dict__.update({k: v for k, v in value.__dict__.items() if k.startswith("_dynamo")})
     return copy
 
