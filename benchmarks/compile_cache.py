@@ -186,6 +186,7 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
         "cache": summary["cache_status"] + (f" ({summary['cache_reason']})" if summary.get("cache_reason") else ""),
         "fx_graph_hit_miss": f"{summary.get('cache_fx_graph_hits', 0)}/{summary.get('cache_fx_graph_misses', 0)}",
         "precompiled_hit_miss": _hit_miss(summary, "cache_precompiled"),
+        "precompiled_skipped": summary.get("cache_precompiled_skipped"),  # region -> why it was not captured
         "bundle_mb": (cache.outcome.bundle_bytes or cache.outcome.saved_bytes) / 1e6 or None,
         "save_s": summary.get("cache_save_s") or None,
         "startup_s": startup,
