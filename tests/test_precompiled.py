@@ -73,15 +73,22 @@ def test_a_loaded_bundle_serves_every_region_without_tracing_and_compiles_what_i
     assert summary["cache_precompiled_misses"] == 0 and summary["cache_precompiled_load_s"] > 0
     assert "5 call(s) served, 0 compiled" in cache.describe()
 
-    with torch.no_grad():  # no artifact of this grad mode: compiled as without the layer
-        assert torch.allclose(applied.root(x), _net()(x), atol=1e-6)
+    evaluated = _net().eval()
+    with torch.no_grad():  # evaluation: no artifact of this grad mode, compiled as without the layer
+        assert torch.allclose(applied.root.eval()(x), evaluated(x), atol=1e-6)
+    applied.root.train()  # captured after training: under the grad mode and training flags of the call
     other = torch.randn(6, WIDTH)  # the loaded guards reject another batch size
     assert torch.allclose(applied.root(other), _net()(other), atol=1e-6)
     assert compat.unique_graphs() > graphs and cache.summary(0.0)["cache_precompiled_misses"] > 0
     assert cache.precompiled.pending  # the new graphs are captured for the next bundle, after training
     assert cache.save([], 1.0, final=True)
+
     cache, applied = _run(_net(), tmp_path)
     assert len(cache.precompiled.artifacts) > len(applied.shared_counts())
+    graphs = compat.unique_graphs()
+    with torch.no_grad():
+        assert torch.allclose(applied.root.eval()(x), evaluated(x), atol=1e-6)
+    assert compat.unique_graphs() == graphs and cache.summary(0.0)["cache_precompiled_hits"] == 5
 
 
 MODEL_V1 = """

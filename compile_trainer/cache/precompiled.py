@@ -74,16 +74,26 @@ def _entered(state: GlobalState) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _training_flags(flags: List[Tuple[torch.nn.Module, bool]]) -> Iterator[None]:
-    """Each module's ``training`` as recorded, then back."""
-    before = [(module, module.training) for module, _ in flags]
-    for module, training in flags:
-        module.training = training
+def _attribute_set(name: str, values: List[Tuple[Any, Any]]) -> Iterator[None]:
+    """Each object's attribute ``name`` set to its value for the duration, then put back."""
+    before = [(target, getattr(target, name)) for target, _ in values]
+    for target, value in values:
+        setattr(target, name, value)
     try:
         yield
     finally:
-        for module, training in before:
-            module.training = training
+        for target, value in before:
+            setattr(target, name, value)
+
+
+def _gradients_set_aside(module: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The parameters' ``.grad`` set to None for the duration.
+
+    The serialized guards keep each parameter with its ``.grad``; a gradient outside the guards is written as a
+    placeholder that torch then fails to load ("assigned grad expected to be a Tensor or None", torch 2.13 under
+    DDP, whose parameters hold their gradients at the next forward). The trace does not read them.
+    """
+    return _attribute_set("grad", [(p, None) for p in module.parameters() if p.grad is not None])
 
 
 def _input_copy(value: Any) -> Any:
@@ -121,24 +131,6 @@ def _why_not_captured(error: Exception) -> str:
 
 def _torch_source(module: str) -> bool:
     return module == "torch" or module.startswith("torch.")
-
-
-@contextlib.contextmanager
-def _gradients_set_aside(module: torch.nn.Module) -> Iterator[None]:
-    """The parameters' ``.grad`` set to None for the duration, then put back.
-
-    The serialized guards keep each parameter with its ``.grad``; a gradient outside the guards is written as a
-    placeholder that torch then fails to load ("assigned grad expected to be a Tensor or None", torch 2.13 under
-    DDP, whose parameters hold their gradients at the next forward). The trace does not read them.
-    """
-    held = [(p, p.grad) for p in module.parameters() if p.grad is not None]
-    for parameter, _ in held:
-        parameter.grad = None
-    try:
-        yield
-    finally:
-        for parameter, grad in held:
-            parameter.grad = grad
 
 
 @dataclass
@@ -245,7 +237,7 @@ class PrecompiledRegions:
         item, started = call.item, time.perf_counter()
         try:
             module = item.region.module
-            with _entered(call.state), _training_flags(call.training), _gradients_set_aside(module):
+            with _entered(call.state), _attribute_set("training", call.training), _gradients_set_aside(module):
                 function = compat.aot_compile(item.entry, item.compile_kwargs, (module, *call.args), call.kwargs)
             data = compat.serialize_aot_compiled(function)
         except Exception as error:  # a graph break, a backend that cannot serialize: compiled as usual
