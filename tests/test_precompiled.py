@@ -143,6 +143,12 @@ def test_a_region_with_a_graph_break_is_named_and_compiles_as_usual(tmp_path):
     assert "(at telemetry_models.py:23 in forward: if x.sum().item() > 0:" in skipped["0"]  # the line that broke it
     assert "not precompiled: 0: " in cache.describe()
 
+    # the bundle remembers it: the next run that compiles the region keeps no inputs, tries no capture again
+    cache, applied = _run(torch.nn.Sequential(_net(ItemBreakBlock)), tmp_path, policy="full")
+    _assert_same(_step(applied.root, x), reference)
+    assert not cache.precompiled.pending and cache.precompiled.misses["0"] == 1
+    assert cache.summary(1.0)["cache_precompiled_skipped"]["0"] == f"{skipped['0']} (an earlier capture)"
+
 
 def test_the_layer_says_why_it_is_off(tmp_path):
     cache, applied = _run(torch.nn.Sequential(_net()), tmp_path, policy="full", background=True)

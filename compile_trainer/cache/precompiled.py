@@ -29,7 +29,7 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_map
@@ -142,18 +142,20 @@ class Artifact:
     function: Optional[Any] = None  # loaded (compat.load_aot_compiled)
 
 
-def encode_artifacts(artifacts: List[Artifact]) -> bytes:
+def encode_section(artifacts: List[Artifact], uncapturable: Dict[str, str]) -> bytes:
+    """The layer's bundle section: the artifacts, and the entries whose capture failed (entry key -> why)."""
     listed = [{"entry_key": a.entry_key, "region": a.region, "state": a.state} for a in artifacts]
-    return encode({"artifacts": listed}, {str(index): a.data for index, a in enumerate(artifacts)})
+    manifest = {"artifacts": listed, "uncapturable": uncapturable}
+    return encode(manifest, {str(index): a.data for index, a in enumerate(artifacts)})
 
 
-def decode_artifacts(data: bytes) -> List[Artifact]:
+def decode_section(data: bytes) -> Tuple[List[Artifact], Dict[str, str]]:
     section = decode(data)
     try:
-        return [
-            Artifact(**fields, data=section.sections[str(i)]) for i, fields in enumerate(section.manifest["artifacts"])
-        ]
-    except (KeyError, TypeError) as error:
+        listed = section.manifest["artifacts"]
+        artifacts = [Artifact(**fields, data=section.sections[str(i)]) for i, fields in enumerate(listed)]
+        return artifacts, dict(section.manifest["uncapturable"])
+    except (KeyError, TypeError, ValueError) as error:
         raise BundleError(f"corrupt precompiled section ({type(error).__name__}: {error})") from error
 
 
@@ -163,18 +165,19 @@ class PrecompiledRegions:
     position = PRECOMPILED
     replaces_compiled = False  # what it serves is the region's compiled code (CUDA graphs need the step marks)
 
-    def __init__(self, loaded: List[Artifact], capture: bool):
+    def __init__(self, loaded: List[Artifact], capture: bool, uncapturable: Optional[Dict[str, str]] = None):
         self.loaded = loaded  # from the bundle; served once loaded (dropped when they cannot be)
         self.captured: List[Artifact] = []  # this run's: saved, not served (the run has its compiled code)
         self.capture = capture
         self.hits: Counter = Counter()  # region -> calls served by a loaded artifact
         self.misses: Counter = Counter()  # region -> calls that compiled (Dynamo traced) instead
         self.skipped: Dict[str, str] = {}  # region -> why it is not captured or its artifacts not used
-        self.uncapturable: Set[str] = set()  # entry keys whose capture failed once: not tried again
+        # entry key -> why its capture failed (in this run or the bundle's): not tried again, its calls not kept
+        self.uncapturable: Dict[str, str] = dict(uncapturable or {})
         self.capture_s, self.load_s = 0.0, 0.0
         self.pending: List[PendingCapture] = []
         self._ready: Dict[Tuple[str, str], List[Artifact]] = {}  # (entry_key, state) -> loaded artifacts
-        self._captures_at_save = 0
+        self._written = (0, len(self.uncapturable))  # (captures, uncapturable entries) at the last save
 
     def __call__(self, item: CompiledRegion, proceed: Callable[..., Any], args: Tuple, kwargs: Dict[str, Any]) -> Any:
         module = item.region.module
@@ -187,7 +190,9 @@ class PrecompiledRegions:
         result = proceed(*args, **kwargs)
         if compat.unique_graphs() != graphs:
             self.misses[item.region.name] += 1
-            if self.capture:
+            if item.entry_key in self.uncapturable:
+                self.skipped[item.region.name] = f"{self.uncapturable[item.entry_key]} (an earlier capture)"
+            elif self.capture:
                 self._keep(item, args, kwargs)
         return result
 
@@ -241,8 +246,7 @@ class PrecompiledRegions:
                 function = compat.aot_compile(item.entry, item.compile_kwargs, (module, *call.args), call.kwargs)
             data = compat.serialize_aot_compiled(function)
         except Exception as error:  # a graph break, a backend that cannot serialize: compiled as usual
-            self.uncapturable.add(item.entry_key)
-            self.skipped[item.region.name] = _why_not_captured(error)
+            self.skipped[item.region.name] = self.uncapturable[item.entry_key] = _why_not_captured(error)
             log.info("compile cache: %s not precompiled (%s)", item.region.name, self.skipped[item.region.name])
             return
         finally:
@@ -255,13 +259,16 @@ class PrecompiledRegions:
         return self.loaded + self.captured
 
     @property
-    def captured_since_save(self) -> bool:
-        return len(self.captured) > self._captures_at_save
+    def changed_since_save(self) -> bool:
+        """New captures, or new entries that cannot be captured, to write."""
+        return (len(self.captured), len(self.uncapturable)) != self._written
 
     def section(self) -> Optional[bytes]:
         """Every usable artifact (loaded or captured) as the bundle's section; None when there is none."""
-        self._captures_at_save = len(self.captured)
-        return encode_artifacts(self.artifacts) if self.artifacts else None
+        self._written = len(self.captured), len(self.uncapturable)
+        if not (self.artifacts or self.uncapturable):
+            return None
+        return encode_section(self.artifacts, self.uncapturable)
 
     def summary(self) -> Dict[str, Any]:
         return {

@@ -74,6 +74,7 @@ class CompileCache:
         self._misses_at_save = 0
         self._manifest: Dict[str, Any] = {}
         self._artifacts: List[precompiled.Artifact] = []  # the bundle's precompiled section, until attach()
+        self._uncapturable: Dict[str, str] = {}
         self.precompiled: Optional[precompiled.PrecompiledRegions] = None
 
     @property
@@ -104,7 +105,7 @@ class CompileCache:
                 )
             self.outcome.loaded = load_sections({k: v for k, v in bundle.sections.items() if k in self.settings.layers})
             if precompiled.SECTION in self.settings.layers and precompiled.SECTION in bundle.sections:
-                self._artifacts = precompiled.decode_artifacts(bundle.sections[precompiled.SECTION])
+                self._artifacts, self._uncapturable = precompiled.decode_section(bundle.sections[precompiled.SECTION])
         except Exception as error:  # never fail a run for its cache: compile cold instead
             self.outcome.status, self.outcome.reason = "unusable", f"{type(error).__name__}: {error}"
             warnings.warn(
@@ -135,8 +136,8 @@ class CompileCache:
             self.outcome.precompiled = problem
             return
         capture = self.settings.writes and self.rank == 0
-        if self._artifacts or capture:
-            self.precompiled = precompiled.PrecompiledRegions(self._artifacts, capture)
+        if self._artifacts or self._uncapturable or capture:
+            self.precompiled = precompiled.PrecompiledRegions(self._artifacts, capture, self._uncapturable)
             applied.interceptors.add(self.precompiled)
 
     def layer_counts(self) -> Dict[str, Dict[str, int]]:
@@ -167,7 +168,7 @@ class CompileCache:
         first = self.outcome.saves == 0 and self.outcome.status != "hit" and used > 0
         if not self.settings.writes or not self.outcome.key or self.rank != 0:
             return False
-        captured = self.precompiled is not None and self.precompiled.captured_since_save
+        captured = self.precompiled is not None and self.precompiled.changed_since_save
         if not (first or misses > self._misses_at_save or captured):
             return False
         started = time.perf_counter()
