@@ -138,7 +138,7 @@ def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, t
     warm = _run(url, tmp_path / "machine2", s3_endpoint, "--wandb-dir", str(tmp_path / "wandb"))
     assert warm["cache_status"] == "hit", warm["cache_reason"]
     assert warm["cache_key"] == cold["cache_key"]
-    cold_compile_s = cold["compile_time_s"] + cold["cache_precompiled_capture_s"]  # captures lowered the backward
+    cold_compile_s = cold["compile_time_s"]  # the captures ran after training: not part of the cold compile
     assert warm["cache_cold_compile_s"] == pytest.approx(cold_compile_s, rel=0.05)
     # every region call served by its precompiled artifact: Dynamo traced nothing, the backend compiled nothing
     assert warm["cache_precompiled_hits"] > 0 and warm["cache_precompiled_misses"] == 0

@@ -178,11 +178,7 @@ class CompileCache:
             if section is not None:
                 sections[precompiled.SECTION] = section
                 counts["precompiled_artifacts"] = len(self.precompiled.artifacts)
-            cold = (
-                self._manifest.get("cold_compile_s")
-                if self.outcome.status == "hit"
-                else self._compile_s(compile_time_s)
-            )
+            cold = self._manifest.get("cold_compile_s") if self.outcome.status == "hit" else compile_time_s
             manifest = {
                 "key": self.outcome.key,
                 "fields": self.fields,
@@ -207,13 +203,6 @@ class CompileCache:
         self.outcome.saved_bytes = len(data)
         log.info("compile cache: wrote %s (%.1f MB) to %s", self.name, len(data) / 1e6, self.settings.dir)
         return True
-
-    def _compile_s(self, compile_time_s: Optional[float]) -> Optional[float]:
-        """This run's compile time with the precompiled layer's captures: compile work of their own (AOTAutograd
-        lowers a captured backward at once, so the run's own backward compile is then a cache hit)."""
-        if compile_time_s is None or self.precompiled is None:
-            return compile_time_s
-        return compile_time_s + self.precompiled.capture_s
 
     def seconds_saved(self, compile_time_s: Optional[float]) -> Optional[float]:
         """The bundle's cold compile time less this run's compile and load time (a hit only)."""

@@ -50,14 +50,11 @@ COLUMNS = (
 
 def cold_compile_time(result: Dict[str, Any]) -> Optional[float]:
     """The compile time without a compile-cache bundle: the bundle's cold compile for a run that loaded one, the
-    run's own compile time for a run that had none (its compile s is then its cold compile, with the time it spent
-    capturing precompiled regions: AOTAutograd compiled their backward then)."""
+    run's own compile time for a run that had none (its compile s is then its cold compile)."""
     summary = result.get("summary") or {}
     if summary.get("cache_status") == "hit":
         return summary.get("cache_cold_compile_s")
-    if summary.get("cache_status") not in ("miss", "unusable") or summary.get("compile_time_s") is None:
-        return None
-    return summary["compile_time_s"] + (summary.get("cache_precompiled_capture_s") or 0.0)
+    return summary.get("compile_time_s") if summary.get("cache_status") in ("miss", "unusable") else None
 
 
 class ReportError(ValueError):
