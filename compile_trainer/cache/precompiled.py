@@ -54,10 +54,6 @@ def current_state() -> GlobalState:
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast
 
 
-def global_state() -> str:
-    return repr(current_state())
-
-
 @contextlib.contextmanager
 def _entered(state: GlobalState) -> Iterator[None]:
     """``state`` for the duration: the grad and inference modes, autocast on or off per device."""
@@ -137,7 +133,7 @@ def _torch_source(module: str) -> bool:
 class Artifact:
     entry_key: str  # CompiledRegion.entry_key: the compiled entry it serves
     region: str  # the region whose call captured it
-    state: str  # global_state() at capture
+    state: str  # repr(current_state()) at capture
     data: bytes
     function: Optional[Any] = None  # loaded (compat.load_aot_compiled)
 
@@ -176,7 +172,7 @@ class PrecompiledRegions:
         self.uncapturable: Dict[str, str] = dict(uncapturable or {})
         self.capture_s, self.load_s = 0.0, 0.0
         self.pending: List[PendingCapture] = []
-        self._ready: Dict[Tuple[str, str], List[Artifact]] = {}  # (entry_key, state) -> loaded artifacts
+        self._ready: Dict[Tuple[str, GlobalState], List[Artifact]] = {}  # (entry_key, state) -> loaded artifacts
         self._written = (0, len(self.uncapturable))  # (captures, uncapturable entries) at the last save
 
     def __call__(self, item: CompiledRegion, proceed: Callable[..., Any], args: Tuple, kwargs: Dict[str, Any]) -> Any:
@@ -211,10 +207,11 @@ class PrecompiledRegions:
     def _loaded(self, item: CompiledRegion) -> List[Artifact]:
         if not self.loaded:
             return []
-        key = (item.entry_key, global_state())
+        key = (item.entry_key, current_state())  # every call: the tuple, its repr only when artifacts are loaded
         if key not in self._ready:
             started = time.perf_counter()  # loaded now, under the state they will be checked in
-            self._ready[key] = [a for a in self.loaded if (a.entry_key, a.state) == key and self._load(a, item)]
+            wanted = (item.entry_key, repr(key[1]))
+            self._ready[key] = [a for a in self.loaded if (a.entry_key, a.state) == wanted and self._load(a, item)]
             self.load_s += time.perf_counter() - started
         return self._ready[key]
 

@@ -361,8 +361,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
         key = repr(sorted(kwargs.items())) + (region.structure if region.role == "block" else f"@{region.name}")
-        entry = _entry_function(type(region.module), key)
         cls = type(region.module)
+        entry = _entry_function(cls, key)
         item = CompiledRegion(
             region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs, background=policy.background
         )
