@@ -14,7 +14,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -401,15 +401,37 @@ def aot_compile_problem() -> Optional[str]:
     return problem
 
 
+def _serializable_guards(guards: Sequence[Any]) -> List[bool]:
+    """The guards ``aot_compile`` can save: its default filter's (no guard on a global, none of a type the
+    serializer refuses), also leaving out guards refused for a *derived* type, which the default keeps and the
+    serializer then fails on ("ID_MATCH guard cannot be serialized", torch 2.11-2.13: a CONSTANT_MATCH on the
+    ``__code__`` in a closure, as in Hugging Face's decorated ``forward`` methods). What those guards pin (the
+    model's classes and code) the bundle checks itself: its key has the model's structure, and an artifact whose
+    traced sources changed is never served."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    refused = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+    return [
+        not (guard.is_global or guard.guard_type in refused or refused.intersection(guard.derived_guard_types))
+        for guard in guards
+    ]
+
+
 def aot_compile(
     function: Callable[..., Any], compile_kwargs: Dict[str, Any], args: tuple, kwargs: Dict[str, Any]
 ) -> Any:
     """``function`` traced whole for these inputs (no graph break allowed) and compiled, without running it."""
+    compile_kwargs = {**compile_kwargs, "fullgraph": True}
+    # the guard filter travels in ``options``, which torch.compile takes beside no ``mode``: the mode as its options
+    mode, options = compile_kwargs.pop("mode", None), dict(compile_kwargs.pop("options", None) or {})
+    if mode and mode != "default":
+        options = {**inductor_mode_options(mode), **options}
+    compile_kwargs["options"] = {**options, "guard_filter_fn": _serializable_guards}
     patch = {"enable_aot_compile": True} if hasattr(torch._dynamo.config, "enable_aot_compile") else {}
     with torch._dynamo.config.patch(**patch), warnings.catch_warnings():
         # building the guards reads .grad of non-leaf inputs (a block's activations), which warns on 2.13
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-        return torch.compile(function, **{**compile_kwargs, "fullgraph": True}).aot_compile((args, kwargs))
+        return torch.compile(function, **compile_kwargs).aot_compile((args, kwargs))
 
 
 def serialize_aot_compiled(compiled: Any) -> bytes:

@@ -17,6 +17,7 @@ from compile_trainer.cache.session import CompileCache, CompileCacheWarning
 from compile_trainer.compiling.regions import apply_policy
 from compile_trainer.schema import to_policy
 from tests.telemetry_models import WIDTH, ItemBreakBlock, Net
+from tests.user_models import VOCAB, tiny_llama
 
 pytestmark = pytest.mark.skipif(
     compat.aot_compile_problem() is not None, reason=str(compat.aot_compile_problem())
@@ -148,6 +149,35 @@ def test_a_region_with_a_graph_break_is_named_and_compiles_as_usual(tmp_path):
     _assert_same(_step(applied.root, x), reference)
     assert not cache.precompiled.pending and cache.precompiled.misses["0"] == 1
     assert cache.summary(1.0)["cache_precompiled_skipped"]["0"] == f"{skipped['0']} (an earlier capture)"
+
+
+def test_a_hugging_face_llama_compiled_whole_is_captured_and_served(tmp_path):
+    """HF's decorated forwards put a code object in a closure, which Dynamo guards with a CONSTANT_MATCH that is an
+    ID_MATCH underneath: torch's default filter kept it and the capture failed ("ID_MATCH guard cannot be
+    serialized"). compat.aot_compile leaves it out."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def llama():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"llama": tiny_llama()})  # "full": the Llama is the region
+
+    def step(root):
+        root.zero_grad()
+        loss = root["llama"](input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in root.parameters()]
+
+    reference = step(llama())
+    cache, applied = _run(llama(), tmp_path, policy="full")
+    _assert_same(step(applied.root), reference)
+    cache.save(["llama"], 1.0, final=True)
+    assert cache.summary(1.0)["cache_precompiled_skipped"] is None and len(cache.precompiled.captured) == 1
+
+    cache, applied = _run(llama(), tmp_path, policy="full")
+    graphs = compat.unique_graphs()
+    _assert_same(step(applied.root), reference)
+    assert compat.unique_graphs() == graphs, "Dynamo traced the Llama the bundle had"
+    assert cache.summary(0.0)["cache_precompiled_hits"] == 1
 
 
 def test_the_layer_says_why_it_is_off(tmp_path):

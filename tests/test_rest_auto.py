@@ -1,5 +1,6 @@
 """``rest: auto`` (the bundled ``regional`` policy's): ``outer`` where a module's weights outside its blocks reach
-``regional_outer_min_share``, else ``eager``. Plans only: nothing is compiled."""
+``regional_outer_min_share``, else ``eager``; ``compile`` where none of those weights is in the code around the
+break. Plans only: nothing is compiled."""
 
 import pytest
 import transformers
@@ -57,6 +58,38 @@ def test_a_decoder_lm_with_a_large_vocab_is_compiled_around_its_blocks():
     assert list(roles(plan).values()).count("block") == 4
     note = f"model (LlamaForCausalLM): {share:.1%} of its parameters and buffers outside its 4 blocks"
     assert f"{note} (>= regional_outer_min_share 10%): compiled whole around its blocks (rest: outer)" in notes(plan)
+
+
+class SlicingWrapper(nn.Module):
+    """A training wrapper that holds no weights of its own: it slices a batch for a model that does the rest."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_a_wrapper_without_weights_around_the_blocks_compiles_the_parts_with_weights_instead(tiny_gpt):
+    """The recipe's GPT loops over its blocks itself, so the break is the whole GPT: an outer region would compile
+    the wrapper's slicing only."""
+    wrapper = SlicingWrapper(tiny_gpt)
+    plan = regional_plan(wrapper)
+    assert roles(plan) == {
+        "model.model.embed": "rest",
+        **{f"model.model.blocks.{i}": "block" for i in range(3)},
+        "model.model.head": "rest",
+    }
+    share = share_outside(wrapper, tiny_gpt.blocks)
+    assert (
+        f"model (SlicingWrapper): {share:.1%} of its parameters and buffers outside its 3 blocks (>= "
+        "regional_outer_min_share 10%), all of them in model.model, which runs eagerly around the blocks: its parts "
+        "compiled as regions (rest: compile)"
+    ) in notes(plan)
+    # an HF causal LM in the same wrapper: its head (and loss) is code around the break, so it is compiled whole
+    llama = regional_plan(SlicingWrapper(big_vocab_llama()))
+    assert roles(llama)["model"] == "outer" and llama.regions[0].breaks == ["model.model.model"]
 
 
 def test_a_vit_with_a_small_head_compiles_its_blocks_only():

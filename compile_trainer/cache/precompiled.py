@@ -92,15 +92,28 @@ def _gradients_set_aside(module: torch.nn.Module) -> contextlib.AbstractContextM
     return _attribute_set("grad", [(p, None) for p in module.parameters() if p.grad is not None])
 
 
-def _input_copy(value: Any) -> Any:
-    """A tensor's detached copy with its strides (guarded: a slice's too), ``requires_grad`` and dynamic-shape marks;
-    anything else as is."""
-    if not isinstance(value, torch.Tensor):
-        return value
+def _input_copy(value: torch.Tensor) -> torch.Tensor:
+    """A tensor's detached copy with its strides (guarded: a slice's too), ``requires_grad`` and dynamic-shape
+    marks."""
     copy = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
     copy = copy.copy_(value.detach()).requires_grad_(value.requires_grad)
     copy.__dict__.update({k: v for k, v in value.__dict__.items() if k.startswith("_dynamo")})
     return copy
+
+
+def _inputs_copied(inputs: Any) -> Any:
+    """``inputs`` with each tensor copied (``_input_copy``) once: a tensor passed twice (HF's ``input_ids`` as its
+    ``labels``) stays one, since Dynamo guards that inputs it saw apart are not the same tensor."""
+    copies: Dict[int, torch.Tensor] = {}
+
+    def copied(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in copies:
+            copies[id(value)] = _input_copy(value)
+        return copies[id(value)]
+
+    return tree_map(copied, inputs)
 
 
 @dataclass
@@ -194,7 +207,7 @@ class PrecompiledRegions:
 
     def _keep(self, item: CompiledRegion, args: Tuple, kwargs: Dict[str, Any]) -> None:
         training = [(module, module.training) for module in item.region.module.modules()]
-        args, kwargs = tree_map(_input_copy, (args, kwargs))
+        args, kwargs = _inputs_copied((args, kwargs))
         self.pending.append(PendingCapture(item, current_state(), training, args, kwargs))
 
     def capture_pending(self) -> None:

@@ -195,10 +195,11 @@ def _expand_rule(
         )
         return [(name, Region(name, module, settings, index, "full"))]
     rest = rule.rest
+    breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rest in ("outer", "auto") else None
     if rest == "auto":
-        rest = _auto_rest(name, module, [modules[b] for b in block_names], policy.regional_outer_min_share, plan)
+        rest = _auto_rest(name, modules, block_names, breaks, policy.regional_outer_min_share, plan)
     items: List[Tuple[str, Optional[Region]]] = []
-    breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rest == "outer" else None
+    breaks = breaks if rest == "outer" else None
     if rest == "outer" and breaks is None:
         plan.notes.append(
             f"{name} ({type(module).__name__}) loops over its blocks in its own forward, so it cannot be compiled "
@@ -216,34 +217,62 @@ def _expand_rule(
     return items
 
 
-def _auto_rest(name: str, module: nn.Module, blocks: List[nn.Module], min_share: float, plan: CompilePlan) -> str:
+def _auto_rest(
+    name: str,
+    modules: Dict[str, nn.Module],
+    block_names: List[str],
+    breaks: Optional[List[str]],
+    min_share: float,
+    plan: CompilePlan,
+) -> str:
     """``rest: auto``: ``outer`` where enough of the module lives outside its blocks for the code around them
     (embeddings, head, a loss on large logits) to be worth compiling whole, else ``eager``: compiling light code
     around the blocks costs graphs (the outer road: a prefix and a resume graph per Python frame down to the break;
     ``compile``: one per part) that its speed-up does not repay (ViT-B/16 on an H100: first step 0.42 of the full
-    compile's with it eager, 0.48-0.59 compiled; throughput 0.967-0.986)."""
+    compile's with it eager, 0.48-0.59 compiled; throughput 0.967-0.986).
+
+    ``compile`` where all of that lies in the module that runs eagerly around the blocks (the break), whose parts
+    are regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer graphs
+    would compile glue, and a new machine traces them again, since graphs with a break are not precompiled
+    (``compile_trainer.cache.precompiled``)."""
+    module, blocks = modules[name], [modules[b] for b in block_names]
     share = _share_outside(module, blocks)
     measured = (
         f"{name} ({type(module).__name__}): {share:.1%} of its parameters and buffers outside its {len(blocks)} blocks"
     )
     knob = f"regional_outer_min_share {min_share * 100:g}%"
-    if share >= min_share:
+    if share < min_share:
         plan.notes.append(
-            f"{measured} (>= {knob}): compiled whole around its blocks (rest: outer), so the code around them "
-            "(loss, head) is compiled too"
+            f"{measured} (< {knob}): the code around them left eager, which compiles fewer graphs (rest: eager); "
+            "rest: compile compiles each part with weights as its own region, rest: outer the code around the "
+            "blocks whole"
         )
-        return "outer"
+        return "eager"
+    if breaks and not _holds_state_around(modules, [*block_names, *breaks]):
+        plan.notes.append(
+            f"{measured} (>= {knob}), all of them in {', '.join(breaks)}, which runs eagerly around the blocks: its "
+            "parts compiled as regions (rest: compile); the code around it holds no weights (rest: outer would "
+            "compile glue)"
+        )
+        return "compile"
     plan.notes.append(
-        f"{measured} (< {knob}): the code around them left eager, which compiles fewer graphs (rest: eager); "
-        "rest: compile compiles each part with weights as its own region, rest: outer the code around the blocks whole"
+        f"{measured} (>= {knob}): compiled whole around its blocks (rest: outer), so the code around them "
+        "(loss, head) is compiled too"
     )
-    return "eager"
+    return "outer"
 
 
 def _share_outside(module: nn.Module, blocks: List[nn.Module]) -> float:
     """The share of ``module``'s parameter and buffer elements that no block holds (0 for a stateless module)."""
     total = _element_count([module])
     return 1 - _element_count(blocks) / total if total else 0.0
+
+
+def _holds_state_around(modules: Dict[str, nn.Module], excluded: List[str]) -> bool:
+    """Whether a module of ``modules`` outside ``excluded`` (and the modules under them) has a parameter or buffer
+    of its own."""
+    around = [m for n, m in modules.items() if not any(n == e or _is_inside(n, e) for e in excluded)]
+    return any(True for m in around for _ in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
 
 
 def _element_count(modules: List[nn.Module]) -> int:
