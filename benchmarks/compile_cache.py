@@ -3,7 +3,8 @@
 For each model and policy, these phases, each in a fresh process:
 
 - ``cold``: empty Inductor/Triton caches, no bundle; compiles everything, captures the regions' precompiled
-  artifacts (``capture_s``) and writes the bundle (after step 3);
+  artifacts (``capture_s``) and writes the bundle (after step 3; steps 4 and 5 then train on, their losses
+  compared with the other phases' in ``loss_rel_diff_vs_cold``);
 - ``cold_no_cache``: empty Inductor/Triton caches, the compile cache off: the cold compile a run pays without
   compile_trainer's cache (no capture), the base of ``vs_full_cold``;
 - ``same_machine``: the cold phase's Inductor/Triton caches, the compile cache off;
@@ -65,7 +66,9 @@ PHASES = ("cold", "cold_no_cache", "same_machine", "new_machine_mega", "new_mach
 LAYERS = {"new_machine_mega": ["mega_cache"], "new_machine_traced": ["mega_cache", "cache_dirs"]}  # else all
 CACHE_MODES = {"cold": "read-write", "same_machine": "off", "cold_no_cache": "off"}  # else read-only
 POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
-STEPS = 3  # the bundle is written after the third step: forward, backward and optimizer all compiled
+# the bundle is written after the third step (forward, backward and optimizer all compiled), its captures run then;
+# two more steps follow, so the losses show whether training goes on as before after a capture (CUDA graphs too)
+STEPS = 3
 COLUMNS = [
     "model",
     "policy",
@@ -137,7 +140,7 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     holder.to(device).train()
     vocab, length, batch = (256, 32, 2) if args.smoke else (32000 if args.model == "llama" else 50304, 1024, 8)
     generator = torch.Generator().manual_seed(1)
-    batches = [torch.randint(vocab, (batch, length + 1), generator=generator).to(device) for _ in range(STEPS)]
+    batches = [torch.randint(vocab, (batch, length + 1), generator=generator).to(device) for _ in range(STEPS + 2)]
     optimizer = torch.optim.AdamW(holder.parameters(), lr=1e-4, fused=device.type == "cuda")
     cache_settings = {"dir": args.cache_dir, "mode": CACHE_MODES.get(args.phase, "read-only")}
     cache_settings |= {"layers": LAYERS[args.phase]} if args.phase in LAYERS else {}
@@ -156,6 +159,10 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     telemetry = CompileTelemetry(applied).install()
     losses = []
     for index, tokens in enumerate(batches):
+        if index == STEPS:  # the bundle written, captures included; the steps after: training goes on after them
+            telemetry.collect()
+            compile_s = telemetry.compile_time_s
+            cache.save([item.region.name for item in applied.compiled], compile_s, final=True)
         applied.begin_step()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = holder["model"](tokens)
@@ -167,9 +174,6 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
             synchronize(device)
             first_step = time.perf_counter() - started
             first_load_s = cache.precompiled.load_s if cache.precompiled is not None else 0.0  # within the step
-    telemetry.collect()
-    compile_s = telemetry.compile_time_s
-    cache.save([item.region.name for item in applied.compiled], compile_s, final=True)
     telemetry.uninstall()
     summary = cache.summary(compile_s)
     dynamo_s, backend_s = compile_phases()

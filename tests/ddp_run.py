@@ -202,3 +202,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # Lightning leaves the group to the script; a clean exit on every rank
+        torch.distributed.destroy_process_group()
