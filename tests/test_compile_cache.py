@@ -134,6 +134,7 @@ def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, t
     assert cold["cache_status"] == "miss" and cold["cache_saves"] >= 1
     assert cold["cache_fx_graph_misses"] > 0 and all(misses > 0 for _, misses in cold["regions"].values())
     assert cold["cache_precompiled_captures"] == cold["cache_precompiled_artifacts"] > 0
+    assert "compile cache: precompiling " in cold["output"]  # the pause at fit end is announced
 
     warm = _run(url, tmp_path / "machine2", s3_endpoint, "--wandb-dir", str(tmp_path / "wandb"))
     assert warm["cache_status"] == "hit", warm["cache_reason"]
@@ -146,7 +147,7 @@ def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, t
     assert warm["cache_seconds_saved"] > 0
     assert "cache: hit, bundle of " in warm["output"] and "call(s) served, 0 compiled" in warm["output"]
     assert warm["weights"] == cold["weights"]  # the bundle changed compile time, not results
-    assert warm["cache_saves"] == 0  # nothing new compiled: nothing rewritten
+    assert warm["cache_saves"] == 0 and "precompiling" not in warm["output"]  # nothing new: nothing rewritten
 
     run = read_offline_run(next((tmp_path / "wandb").rglob("run-*.wandb")))
     assert run.summary["summary/cache_status"] == "hit"

@@ -151,6 +151,12 @@ class CompileCache:
             for layer, (hits, misses) in now.items()
         }
 
+    @property
+    def pending_captures(self) -> int:
+        """Region calls that compiled and that a ``final`` save will capture (this rank's; only rank 0 captures)."""
+        pending = self.precompiled.pending if self.precompiled is not None and self.rank == 0 else []
+        return len(pending)
+
     def save(self, regions: List[str], compile_time_s: Optional[float], final: bool = False) -> bool:
         """Write the bundle if this rank writes and something was compiled (a cache miss) since the last save.
 

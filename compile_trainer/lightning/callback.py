@@ -190,6 +190,11 @@ class CompileCallback(pl.Callback):
         """Write the bundle when warm (after the first steps, each validation, the fit: ``final``, with the
         precompiled regions); the cache decides whether anything new was compiled since its last save."""
         if self.cache is not None and self.applied is not None:
+            if final and self.cache.pending_captures:  # a pause worth a word: each is traced and lowered again
+                rank_zero_info(
+                    f"compile cache: precompiling {self.cache.pending_captures} region call(s) for the bundle "
+                    "(once per bundle: later runs skip their tracing)"
+                )
             regions = [item.region.name for item in self.applied.compiled]
             self.cache.save(regions, self.summary().get("compile_time_s"), final=final)
 
