@@ -153,9 +153,9 @@ class CompileCache:
 
     @property
     def pending_captures(self) -> int:
-        """Region calls that compiled and that a ``final`` save will capture (this rank's; only rank 0 captures)."""
-        pending = self.precompiled.pending if self.precompiled is not None and self.rank == 0 else []
-        return len(pending)
+        """Region calls that compiled and that a ``final`` save will capture (none but on a writing rank 0: only
+        there does ``attach`` let the layer keep calls)."""
+        return len(self.precompiled.pending) if self.precompiled is not None else 0
 
     def save(self, regions: List[str], compile_time_s: Optional[float], final: bool = False) -> bool:
         """Write the bundle if this rank writes and something was compiled (a cache miss) since the last save.
@@ -165,7 +165,7 @@ class CompileCache:
         layer captures the region calls that compiled (``PrecompiledRegions.capture_pending``) into this save.
         Returns whether a bundle was written.
         """
-        if final and self.precompiled is not None and self.rank == 0:
+        if final and self.precompiled is not None:  # calls are kept only where they are captured: rank 0, writing
             self.precompiled.capture_pending()
         counts = self.layer_counts().values()
         misses, used = sum(c["misses"] for c in counts), sum(c["hits"] + c["misses"] for c in counts)
