@@ -9,14 +9,16 @@ Inductor, is in test_compile_cache.py.
 import importlib
 import sys
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from compile_trainer import compat
+from compile_trainer import CompileCallback, compat
 from compile_trainer.cache.session import CompileCache, CompileCacheWarning
 from compile_trainer.compiling.regions import apply_policy
 from compile_trainer.schema import to_policy
-from tests.telemetry_models import WIDTH, ItemBreakBlock, Net
+from tests.telemetry_models import WIDTH, ItemBreakBlock, Net, TinyRegression
 from tests.user_models import VOCAB, tiny_llama
 
 pytestmark = pytest.mark.skipif(
@@ -187,3 +189,40 @@ def test_the_layer_says_why_it_is_off(tmp_path):
     assert "cache precompiled: off (background compiles" in cache.describe()
     cache, applied = _run(_net(), tmp_path, cache={"dir": str(tmp_path), "layers": ["mega_cache"]})
     assert cache.precompiled is None and "precompiled" not in cache.describe()
+
+
+class _TeardownMovesTheModel(SingleDeviceStrategy):
+    """Lightning's teardown moves a GPU module to the CPU before ``on_fit_end``; on the CPU it leaves it. This
+    strategy changes the module at teardown as that move does (to float64 here), so that a capture after
+    teardown fails on the CPU as it did on the GPU ("RuntimeError when making fake tensor call")."""
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.lightning_module.double()
+
+
+def _fit_under_cache(cache_dir, precision):
+    torch._dynamo.reset()
+    callback = CompileCallback(
+        "regional", backend="aot_eager", cache={"dir": str(cache_dir)}, telemetry={"measure_flops": False}
+    )
+    module = TinyRegression(n_batches=3)
+    trainer = pl.Trainer(
+        max_steps=3, precision=precision, strategy=_TeardownMovesTheModel(torch.device("cpu")), logger=False,
+        callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return callback.summary()
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+def test_lightning_captures_under_its_precision_plugin_and_the_next_run_is_served(tmp_path, precision):
+    """The captures run while the module is still where it trained, under the autocast state its regions ran
+    with, and are neither compiles nor breaks nor fallbacks of the run; the next run is served without tracing."""
+    first = _fit_under_cache(tmp_path, precision)
+    assert first["cache_precompiled_captures"] == 3 and first["cache_precompiled_skipped"] is None  # 3 entries
+    assert (first["compiles"], first["graph_breaks"], first["eager_fallbacks"]) == (3, 0, 0)  # the run's alone
+
+    second = _fit_under_cache(tmp_path, precision)
+    assert second["cache_precompiled_hits"] >= 3 and second["cache_precompiled_misses"] == 0
+    assert (second["compiles"], second["eager_fallbacks"]) == (0, 0)

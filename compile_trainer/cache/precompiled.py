@@ -45,25 +45,29 @@ SECTION = "precompiled"
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...]]
+GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool]
 
 
 def current_state() -> GlobalState:
-    """The global state a loaded artifact's guards are built from: grad mode, inference mode, autocast per device."""
+    """The global state a loaded artifact's guards are built from: grad mode, inference mode, autocast per device
+    and autocast's weight cache (Lightning's mixed-precision plugins turn it off: a guard of its own)."""
     autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in AUTOCAST_DEVICES)
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled()
 
 
 @contextlib.contextmanager
 def _entered(state: GlobalState) -> Iterator[None]:
-    """``state`` for the duration: the grad and inference modes, autocast on or off per device."""
-    grad, inference, autocast = state
+    """``state`` for the duration: the grad and inference modes, autocast on or off per device, its cache."""
+    grad, inference, autocast, cache_enabled = state
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(inference))
         stack.enter_context(torch.set_grad_enabled(grad))
+        stack.callback(torch.set_autocast_cache_enabled, torch.is_autocast_cache_enabled())
+        torch.set_autocast_cache_enabled(cache_enabled)
         for device, enabled, dtype in autocast:
             if enabled:
-                stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype.removeprefix("torch."))))
+                dtype = getattr(torch, dtype.removeprefix("torch."))
+                stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache_enabled))
             elif torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield

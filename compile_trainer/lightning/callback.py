@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
@@ -210,11 +211,17 @@ class CompileCallback(pl.Callback):
         if self.applied is not None:  # None in trainer.validate() without a fit: nothing was compiled
             self.applied.begin_step()
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.background is not None and not self.background.installed:
             self.background.close()  # a thread cannot be stopped: training ended before the compile did
             _log_background(trainer, self.background)
-        self._save_cache(final=True)
+        # Here, not at fit end: Lightning's teardown, before on_fit_end, moves a GPU module to the CPU, away from
+        # the inputs its captures kept. The captures' traces are not the run's compiles.
+        paused = self.telemetry.compile.paused() if self.telemetry and self.telemetry.compile else nullcontext()
+        with paused:
+            self._save_cache(final=True)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report_ranks(trainer)
         cache = self.cache.summary(self.summary().get("compile_time_s")) if self.cache is not None else {}
         if self.telemetry is not None:

@@ -19,13 +19,14 @@ graph break split off run below it); a lazy backward compile shares its forward'
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -232,6 +233,22 @@ class CompileTelemetry:
         handler.register_start_callback(self._on_start)
         handler.register_end_callback(self._on_end)
         self._installed = True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Compiles inside are not the run's (the compile cache's captures trace each region again after
+        training): neither counted nor reported, their metrics and counters skipped."""
+        self.collect()
+        installed = self._installed
+        self.uninstall()
+        try:
+            yield
+        finally:
+            metrics = compat.compilation_metrics()
+            self._last_metric = metrics[-1] if metrics else self._last_metric
+            self._cudagraph_skips_seen = compat.cudagraph_skips()
+            if installed:
+                self.ensure_installed()
 
     def uninstall(self) -> None:
         handler = compat.dynamo_callback_handler()
