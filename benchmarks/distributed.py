@@ -1,16 +1,26 @@
-"""Compile policies under DDP and FSDP2 on several GPUs: 1 vs N GPUs, ``regional`` vs ``full``; global throughput
-(samples/s of all ranks), each rank's first step, recompiles by rank and the ranks whose recompiles diverge.
+"""Compile policies under DDP and FSDP2 on several GPUs: 1 vs N GPUs, ``regional`` vs ``full``, GPT-2 small (the
+recipe) and an HF Llama (16 layers, d 1024); global throughput (samples/s of all ranks), each rank's first step,
+recompiles and peak memory by rank, the ranks whose recompiles diverge. Two experiments beside the scaling rows:
 
-On a machine with N GPUs (one command; every run a fresh Lightning job of N processes):
+- ``collectives``: ranks whose first batches differ in length (rank r's lengths are its own), under ``regional``
+  with and without ``distributed.consistent_dynamic_shapes`` (Dynamo's compiler collectives), where torch's docs say
+  they help: at the first compile the ranks agree that the length is dynamic, instead of each specializing on its
+  own first length and recompiling at its next.
+- ``cache``: the DDP ``regional`` row on N GPUs writes a compile-cache bundle (rank 0); a second run with empty
+  local caches (a new machine) records each rank's first step against that cold one.
 
-    python benchmarks/distributed.py --out benchmarks/results/distributed.json
+On a machine with N GPUs (each run a fresh Lightning job of N processes, with its own empty Inductor and Triton
+caches):
 
-CPU smoke run (2 gloo processes, a tiny GPT, backend aot_eager), as the tests run it:
+    python benchmarks/distributed.py --models gpt2 --out benchmarks/results/distributed_gpt2.json
+
+CPU smoke run (2 gloo processes, tiny models, backend aot_eager; no collectives experiment: torch refuses compiler
+collectives on a gloo group), as the tests run it:
 
     python benchmarks/distributed.py --smoke --out /tmp/distributed.json
 
-Each run is a worker (``--worker``) started as its own process; Lightning's ``ddp`` launcher starts the other
-ranks. Weak scaling: each rank trains ``--batch`` samples a step, so N GPUs see N times the samples of one.
+Weak scaling: each rank trains ``--batch`` samples a step, so N GPUs see N times the samples of one. The one-GPU
+row of a (model, policy) is one run, shared by both strategies (on one device neither wraps the model).
 Importable without hydra and wandb (the GPU image has neither).
 """
 
@@ -29,50 +39,116 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import format_table, write_result  # noqa: E402
 
 COLUMNS = [
-    "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "first_step_s_min", "first_step_s_max",
-    "first_step_vs_1", "compile_s_max", "recompiles_by_rank", "divergent_ranks", "error",
+    "model", "experiment", "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "first_step_s_by_rank",
+    "first_step_vs_1", "recompiles_by_rank", "divergent_ranks", "graphs_by_rank", "peak_memory_gb_by_rank",
+    "cache", "error",
 ]  # fmt: skip
-FULL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)  # GPT-2 small
-SMOKE = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
+LLAMA |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+SMOKE = {
+    "gpt2": dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16),
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64),
+}  # fmt: skip
+SEQUENCE = {"gpt2": 1024, "llama": 1024}
+LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
+
+
+def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
+    """The model's LightningModule; under FSDP2 on several GPUs its ``configure_model`` applies the callback's
+    policy, then shards each block and the root (torchtitan's order)."""
+    import lightning.pytorch as pl
+
+    from compile_trainer import apply_policy
+    from compile_trainer.compiling.regions import APPLIED_ATTR
+
+    sizes = SMOKE[args.model] if args.smoke else (GPT2 if args.model == "gpt2" else LLAMA)
+
+    class Benchmarked(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            if args.model == "gpt2":
+                from recipes.gpt import GPT, GPTConfig
+
+                self.model = GPT(GPTConfig(**sizes))
+                self.blocks = self.model.blocks
+            else:
+                import transformers
+
+                self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, use_cache=False))
+                self.blocks = self.model.model.layers
+
+        def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            if args.model == "gpt2":
+                return self.model(inputs, targets)[1]
+            return self.model(input_ids=inputs, labels=targets).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def configure_model(self) -> None:
+            if args.strategy != "fsdp2" or args.gpus < 2:
+                return
+            from torch.distributed.fsdp import fully_shard
+
+            if callback.policy.compiles_modules and getattr(self, APPLIED_ATTR, None) is None:
+                apply_policy(self, callback.policy)
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def train_dataloader(self):
+            from torch.utils.data import DataLoader
+
+            return DataLoader(batches(args, sizes["vocab_size"], self.global_rank), batch_size=None)
+
+    return Benchmarked()
+
+
+def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
+    """``args.steps`` batches of random tokens for this rank (its own: no distributed sampler). The collectives
+    experiment gives each rank lengths of its own, the first ones different on every rank."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    length = SMOKE[args.model].get("block_size", 16) if args.smoke else SEQUENCE[args.model]
+    lengths = [length] * args.steps
+    if args.experiment == "collectives":
+        choices = [n // 64 if args.smoke else n for n in LENGTHS]
+        lengths = [choices[(rank + step) % len(choices)] for step in range(args.steps)]
+    tokens = [torch.randint(0, vocab, (args.batch, n + 1), generator=generator) for n in lengths]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
 def worker(args: argparse.Namespace) -> None:
     """One training job (every rank runs this); rank 0 writes its row to ``args.out``."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from torch.utils.data import DataLoader, TensorDataset
 
     from compile_trainer import CompileCallback
-    from recipes.gpt import GPTConfig, LanguageModel, compile_and_shard
 
-    config = GPTConfig(**(SMOKE if args.smoke else FULL))
     on_gpu = torch.cuda.is_available() and not args.smoke
-    policy_args = {"backend": "aot_eager"} if args.smoke else {}
-    callback = CompileCallback(args.policy, print_plan=False, telemetry={"measure_flops": False}, **policy_args)
-
-    class Model(LanguageModel):
-        def configure_model(self) -> None:
-            if args.strategy == "fsdp2" and args.gpus > 1:
-                compile_and_shard(self, self.model, callback.policy, self.device_mesh["data_parallel"])
-
-        def train_dataloader(self):
-            count = args.batch * args.steps * args.gpus
-            tokens = torch.randint(0, config.vocab_size, (count, config.block_size + 1), generator=torch.Generator())
-            return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
-
+    overrides: Dict[str, Any] = {"backend": "aot_eager"} if args.smoke else {}
+    if args.collectives:
+        overrides["distributed"] = {"consistent_dynamic_shapes": True}
+    if args.cache_dir:
+        overrides["cache"] = {"dir": args.cache_dir}
+    telemetry = {"measure_flops": False}
+    callback = CompileCallback(args.policy, print_plan=False, telemetry=telemetry, **overrides)
     torch.manual_seed(0)
-    module = Model(config, warmup_steps=0)
+    module = lightning_module(args, callback)
     strategy: Any = "auto"
     if args.gpus > 1:
         strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
     trainer = pl.Trainer(
         accelerator="gpu" if on_gpu else "cpu", devices=args.gpus, strategy=strategy, max_steps=args.steps,
-        callbacks=[callback],
-        precision="bf16-mixed" if on_gpu else "32-true", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(module)
     summary = callback.summary()
@@ -86,101 +162,157 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, Any]:
-    """Rank 0's row: throughput over all ranks, and the ranks' first steps, compile times and recompiles."""
+    """Rank 0's row: throughput over all ranks, and each rank's first step, recompiles, graphs and peak memory."""
     ranks = summary.get("ranks") or {
-        "first_step_time_s_min": summary.get("first_step_time_s"),
-        "first_step_time_s_max": summary.get("first_step_time_s"),
-        "compile_time_s_max": summary.get("compile_time_s"),
-        "recompiles_by_rank": [summary.get("recompiles")],
-        "divergent_recompile_ranks": [],
-    }
+        key: [summary.get(single)]
+        for key, single in (
+            ("first_step_time_s_by_rank", "first_step_time_s"),
+            ("recompiles_by_rank", "recompiles"),
+            ("graphs_by_rank", "unique_graphs"),
+            ("peak_memory_bytes_by_rank", "peak_memory_bytes"),
+        )
+    } | {"divergent_recompile_ranks": []}
     per_rank = summary.get("steady_samples_per_s")
+    memory = ranks.get("peak_memory_bytes_by_rank") or []
+    cache = None
+    if args.cache_dir:
+        cache = {key: summary.get(f"cache_{key}") for key in ("status", "precompiled_hits", "precompiled_misses")}
+        cache |= {key: summary.get(f"cache_{key}") for key in ("precompiled_captures", "precompiled_skipped")}
     return {
-        "strategy": args.strategy,
+        "model": args.model,
+        "experiment": args.experiment + ("+collectives" if args.collectives else ""),
+        "strategy": args.strategy if args.gpus > 1 else "-",
         "policy": args.policy,
         "gpus": args.gpus,
         "samples_per_s": per_rank * args.gpus if per_rank else None,  # every rank steps together
-        "first_step_s_min": ranks.get("first_step_time_s_min"),
-        "first_step_s_max": ranks.get("first_step_time_s_max"),
-        "compile_s_max": ranks.get("compile_time_s_max"),
-        "recompiles_by_rank": ranks["recompiles_by_rank"],
-        "divergent_ranks": ranks["divergent_recompile_ranks"],
+        "first_step_s_by_rank": ranks.get("first_step_time_s_by_rank"),
+        "recompiles_by_rank": ranks.get("recompiles_by_rank"),
+        "divergent_ranks": ranks.get("divergent_recompile_ranks"),
+        "graphs_by_rank": ranks.get("graphs_by_rank"),
+        "peak_memory_gb_by_rank": [round(m / 2**30, 2) if m else None for m in memory],
+        "compile_s_max": ranks.get("compile_time_s_max", summary.get("compile_time_s")),
+        "cache": cache,
         "error": None,
     }
 
 
-def run_one(args: argparse.Namespace, strategy: str, policy: str, gpus: int, folder: Path) -> Dict[str, Any]:
-    out = folder / f"{strategy}-{policy}-{gpus}.json"
+def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any]:
+    """One fresh job with its own empty Inductor and Triton caches; ``run``: model, experiment, strategy, policy,
+    gpus, and optionally collectives and cache_dir."""
+    run = {"experiment": "scaling", "collectives": False, "cache_dir": None} | run
+    name = "-".join(str(v) for v in run.values() if v not in (None, False)).replace("/", "_")
+    out = folder / f"{name}.json"
     command = [
-        sys.executable, __file__, "--worker", "--strategy", strategy, "--policy", policy, "--gpus", str(gpus),
-        "--batch", str(args.batch), "--steps", str(args.steps), "--out", str(out), *(["--smoke"] if args.smoke else []),
+        sys.executable, __file__, "--worker", "--out", str(out), "--batch", str(args.batch), "--steps", str(args.steps),
+        *(["--smoke"] if args.smoke else []),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
-    if result.returncode != 0 or not out.exists():
-        error = (result.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return {"strategy": strategy, "policy": policy, "gpus": gpus, "error": error}
+    for key, value in run.items():
+        if value not in (None, False):
+            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    local_caches = tempfile.mkdtemp(prefix=f"{name}-", dir=folder)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "TORCHINDUCTOR_CACHE_DIR": f"{local_caches}/inductor",
+        "TRITON_CACHE_DIR": f"{local_caches}/triton",
+    }
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
+        failed = result.returncode != 0 or not out.exists()
+        error = (result.stderr.strip().splitlines() or ["no output"])[-1][:300] if failed else None
+    except subprocess.TimeoutExpired:
+        failed, error = True, f"timed out after {args.timeout} s"
+    if failed:
+        keys = ("model", "experiment", "policy", "gpus")
+        row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
+        return row | {"error": error}
     return json.loads(out.read_text())
 
 
 def compare_to_one(rows: List[Dict[str, Any]]) -> None:
-    """Each row's throughput and first step against the same policy on one device (the issue's goal: >= 1.9x
-    on two GPUs, first step <= 1.1x)."""
-    single = {(r["strategy"], r["policy"]): r for r in rows if r["gpus"] == 1 and not r.get("error")}
+    """Each scaling row's throughput and slowest first step against the same (model, policy) on one device (the
+    goal: >= 1.9x on two GPUs, first step <= 1.1x); a warm cache row's first steps against its cold row's."""
+    ok = [r for r in rows if not r.get("error")]
+    single = {(r["model"], r["policy"]): r for r in ok if r["gpus"] == 1}
+    cold = {(r["model"], r["policy"]): r for r in ok if r["experiment"] == "scaling" and r.get("cache")}
     for row in rows:
-        base = single.get((row["strategy"], row["policy"]))
-        ok = base is not None and not row.get("error") and row.get("samples_per_s") and base.get("samples_per_s")
-        row["scaling_vs_1"] = row["samples_per_s"] / base["samples_per_s"] if ok else None
-        first = ok and row.get("first_step_s_max") and base.get("first_step_s_max")
-        row["first_step_vs_1"] = row["first_step_s_max"] / base["first_step_s_max"] if first else None
+        base = single.get((row["model"], row["policy"]))
+        if row["experiment"] == "cache":
+            base = cold.get((row["model"], row["policy"]))
+        elif row["experiment"] != "scaling":
+            continue
+        usable = base is not None and not row.get("error")
+        throughput = usable and row.get("samples_per_s") and base.get("samples_per_s")
+        row["scaling_vs_1"] = row["samples_per_s"] / base["samples_per_s"] if throughput else None
+        first = usable and row.get("first_step_s_by_rank") and base.get("first_step_s_by_rank")
+        row["first_step_vs_1"] = max(row["first_step_s_by_rank"]) / max(base["first_step_s_by_rank"]) if first else None
+
+
+def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[str, Any]]:
+    runs: List[Dict[str, Any]] = []
+    for model in args.models.split(","):
+        if "scaling" in args.experiments:
+            for policy in args.policies.split(","):
+                runs.append(dict(model=model, strategy="ddp", policy=policy, gpus=1))
+                for strategy in args.strategies.split(","):
+                    cached = "cache" in args.experiments and strategy == "ddp" and policy == "regional"
+                    bundle = f"{cache_dir}/{model}" if cached else None
+                    runs.append(dict(model=model, strategy=strategy, policy=policy, gpus=n, cache_dir=bundle))
+        if "cache" in args.experiments:
+            warm = dict(experiment="cache", strategy="ddp", policy="regional", gpus=n, cache_dir=f"{cache_dir}/{model}")
+            runs.append(dict(model=model, **warm))
+        if "collectives" in args.experiments and model == args.models.split(",")[0] and not args.smoke:
+            for collectives in (False, True):
+                collective = dict(experiment="collectives", strategy="ddp", policy="regional", gpus=n)
+                runs.append(dict(model=model, **collective, collectives=collectives))
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="CPU, 2 gloo processes, a tiny GPT, aot_eager")
+    parser.add_argument("--smoke", action="store_true", help="CPU, 2 gloo processes, tiny models, aot_eager")
+    parser.add_argument("--models", default="gpt2,llama", help="gpt2 (the recipe's GPT-2 small), llama (HF)")
+    parser.add_argument("--experiments", default="scaling,collectives,cache")
     parser.add_argument("--strategies", default="ddp,fsdp2")
     parser.add_argument("--policies", default="regional,full")
     parser.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU; 2 with --smoke)")
     parser.add_argument("--batch", type=int, default=None, help="samples per rank a step (8; 2 with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
-    parser.add_argument("--timeout", type=int, default=1200, help="seconds a run may take")
+    parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
-    parser.add_argument("--policy", default="regional", help=argparse.SUPPRESS)
+    for hidden in ("model", "experiment", "strategy", "policy", "cache-dir"):
+        parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
+    parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.smoke else 8)
     args.steps = args.steps or (4 if args.smoke else 30)
     if args.worker:
+        args.gpus = args.gpus or 1
         return worker(args)
     n = args.gpus or (2 if args.smoke else torch.cuda.device_count())
     if n < 2:
         parser.error(f"needs at least 2 devices to compare with 1 (found {n}); --smoke runs 2 CPU processes")
+    for strategy in args.strategies.split(","):
+        if strategy not in ("ddp", "fsdp2"):
+            parser.error(f"unknown strategy {strategy!r}: ddp or fsdp2")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for strategy in args.strategies.split(","):
-            if strategy not in ("ddp", "fsdp2"):
-                parser.error(f"unknown strategy {strategy!r}: ddp or fsdp2")
-            for policy in args.policies.split(","):
-                for gpus in (1, n):
-                    rows.append(run_one(args, strategy, policy, gpus, Path(folder)))
-                    print(json.dumps(rows[-1]), flush=True)
+        for run in planned_runs(args, n, f"{folder}/bundles"):
+            rows.append(run_one(args, Path(folder), **run))
+            print(json.dumps(rows[-1]), flush=True)
     compare_to_one(rows)
     notes = [
         "Weak scaling: each rank trains the same batch a step; samples/s counts every rank's samples.",
-        "first_step_vs_1: the slowest rank's first step (compiles included) against one device's.",
-        "fsdp2: ModelParallelStrategy, the policy applied in configure_model before fully_shard (recipes.gpt).",
+        "first_step_vs_1: the slowest rank's first step (compiles included) against one device's; for the cache "
+        "row, against the cold DDP regional row that wrote the bundle.",
+        "Every run starts with empty Inductor and Triton caches; the ranks of one run share them (one host).",
+        "fsdp2: ModelParallelStrategy, the policy applied in configure_model before fully_shard.",
+        "collectives: each rank's lengths cycle through 512/768/1024 from a different start; "
+        "+collectives turns on distributed.consistent_dynamic_shapes.",
     ]
     write_result(Path(args.out), "distributed", "Compile policies under DDP and FSDP2", COLUMNS, rows, notes)
-    from compile_trainer.tables import text_table
-
-    print("\n".join(text_table(COLUMNS, [[_cell(row.get(c)) for c in COLUMNS] for row in rows])))
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    print(format_table(COLUMNS, rows))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-RANK_KEYS = ("compile_time_s", "compiles", "recompiles", "graph_breaks", "unique_graphs", "first_step_time_s")
+RANK_KEYS = (
+    "compile_time_s", "compiles", "recompiles", "graph_breaks", "unique_graphs", "first_step_time_s",
+    "peak_memory_bytes",
+)  # fmt: skip
 
 
 def gather_rank_summaries(summary: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -35,7 +38,8 @@ def divergent_ranks(values: Sequence[Any]) -> List[int]:
 
 
 def rank_report(summaries: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Headline numbers across ranks: min/max compile time and first step, recompiles per rank, divergent ranks."""
+    """Headline numbers across ranks: min/max compile time and first step; first step, recompiles, graphs and peak
+    memory by rank; the ranks whose recompiles diverge."""
     report: Dict[str, Any] = {"ranks": len(summaries)}
     for key in ("compile_time_s", "first_step_time_s"):
         values = [s.get(key) for s in summaries if s.get(key) is not None]
@@ -44,6 +48,8 @@ def rank_report(summaries: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     recompiles = [s.get("recompiles") or 0 for s in summaries]
     report["recompiles_by_rank"] = recompiles
     report["graphs_by_rank"] = [s.get("unique_graphs") or 0 for s in summaries]
+    report["first_step_time_s_by_rank"] = [s.get("first_step_time_s") for s in summaries]
+    report["peak_memory_bytes_by_rank"] = [s.get("peak_memory_bytes") for s in summaries]
     report["divergent_recompile_ranks"] = divergent_ranks(recompiles)
     return report
 
@@ -59,6 +65,10 @@ def describe_rank_report(report: Dict[str, Any]) -> str:
         f"ranks {report['ranks']}: compile time {span('compile_time_s')} (min-max), "
         f"first step {span('first_step_time_s')}, recompiles by rank {report['recompiles_by_rank']}",
     ]
+    memory = report.get("peak_memory_bytes_by_rank") or []
+    if any(m is not None for m in memory):
+        lines[0] += ", peak memory by rank [" + ", ".join("-" if m is None else f"{m / 2**30:.1f} GiB" for m in memory)
+        lines[0] += "]"
     divergent = report["divergent_recompile_ranks"]
     if divergent:
         names = ", ".join(f"rank {r} ({report['recompiles_by_rank'][r]})" for r in divergent)
