@@ -212,7 +212,7 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     local_caches = tempfile.mkdtemp(prefix=f"{name}-", dir=folder)
     env = {
         **os.environ,
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
         "TORCHINDUCTOR_CACHE_DIR": f"{local_caches}/inductor",
         "TRITON_CACHE_DIR": f"{local_caches}/triton",
     }
