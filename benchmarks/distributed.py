@@ -261,8 +261,9 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
         if "cache" in args.experiments:
             warm = dict(experiment="cache", strategy="ddp", policy="regional", gpus=n, cache_dir=f"{cache_dir}/{model}")
             runs.append(dict(model=model, **warm))
-        if "collectives" in args.experiments and model == args.models.split(",")[0] and not args.smoke:
-            for collectives in (False, True):
+        wanted = [e for e in args.experiments.split(",") if e.startswith("collectives")]
+        if wanted and model == args.models.split(",")[0] and not args.smoke:
+            for collectives in (False, True) if "collectives" in wanted else (True,):  # collectives-on: one
                 collective = dict(experiment="collectives", strategy="ddp", policy="regional", gpus=n)
                 runs.append(dict(model=model, **collective, collectives=collectives))
     return runs
