@@ -215,7 +215,7 @@ def _fit_under_cache(cache_dir, precision):
     return callback.summary()
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "32-true"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])  # 16-mixed: bf16 on a CPU (Lightning)
 def test_lightning_captures_under_its_precision_plugin_and_the_next_run_is_served(tmp_path, precision):
     """The captures run while the module is still where it trained, under the autocast state its regions ran
     with, and are neither compiles nor breaks nor fallbacks of the run; the next run is served without tracing."""

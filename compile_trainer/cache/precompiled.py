@@ -45,20 +45,25 @@ SECTION = "precompiled"
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool]
+GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool, str]
 
 
 def current_state() -> GlobalState:
     """The global state a loaded artifact's guards are built from: grad mode, inference mode, autocast per device
-    and autocast's weight cache (Lightning's mixed-precision plugins turn it off: a guard of its own)."""
+    and autocast's weight cache (Lightning's mixed-precision plugins turn it off: a guard of its own); and the
+    current CUDA device, since the guards check each tensor's device index: a capture on cuda:0 never serves
+    rank 1's cuda:1, so each rank's are kept apart."""
     autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in AUTOCAST_DEVICES)
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.is_autocast_cache_enabled()
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_initialized() else ""
+    cache_enabled = torch.is_autocast_cache_enabled()
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, cache_enabled, device
 
 
 @contextlib.contextmanager
 def _entered(state: GlobalState) -> Iterator[None]:
-    """``state`` for the duration: the grad and inference modes, autocast on or off per device, its cache."""
-    grad, inference, autocast, cache_enabled = state
+    """``state`` for the duration: the grad and inference modes, autocast on or off per device, its cache (the
+    device is the capturing rank's own)."""
+    grad, inference, autocast, cache_enabled, _ = state
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.inference_mode(inference))
         stack.enter_context(torch.set_grad_enabled(grad))
@@ -266,6 +271,12 @@ class PrecompiledRegions:
         finally:
             self.capture_s += time.perf_counter() - started
         self.captured.append(Artifact(item.entry_key, item.region.name, repr(call.state), data))
+
+    def add_captured(self, artifacts: List[Artifact], uncapturable: Dict[str, str]) -> None:
+        """Other ranks' captures (rank 0 writes the bundle): those of an entry and state not held yet."""
+        held = {(a.entry_key, a.state) for a in self.artifacts}
+        self.captured += [a for a in artifacts if (a.entry_key, a.state) not in held]
+        self.uncapturable |= uncapturable
 
     @property
     def artifacts(self) -> List[Artifact]:

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -135,10 +135,21 @@ class CompileCache:
         if problem is not None:
             self.outcome.precompiled = problem
             return
-        capture = self.settings.writes and self.rank == 0
+        capture = self.settings.writes  # every rank its own device's calls; rank 0 gathers them and writes
         if self._artifacts or self._uncapturable or capture:
             self.precompiled = precompiled.PrecompiledRegions(self._artifacts, capture, self._uncapturable)
             applied.interceptors.add(self.precompiled)
+
+    def _gather_captures(self) -> None:
+        """Every rank's captures to rank 0 (a collective: every writing rank runs it at its final save)."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        mine = ([replace(a, function=None) for a in self.precompiled.captured], self.precompiled.uncapturable)
+        gathered: List[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, mine)
+        if self.rank == 0:
+            for artifacts, uncapturable in gathered[1:]:
+                self.precompiled.add_captured(artifacts, uncapturable)
 
     def layer_counts(self) -> Dict[str, Dict[str, int]]:
         """Hits and misses per cache layer (FX graph, AOTAutograd) since the load."""
@@ -153,8 +164,8 @@ class CompileCache:
 
     @property
     def pending_captures(self) -> int:
-        """Region calls that compiled and that a ``final`` save will capture (none but on a writing rank 0: only
-        there does ``attach`` let the layer keep calls)."""
+        """Region calls that compiled and that a ``final`` save will capture (on every rank of a writing cache;
+        rank 0 gathers the other ranks' captures into its bundle)."""
         return len(self.precompiled.pending) if self.precompiled is not None else 0
 
     def save(self, regions: List[str], compile_time_s: Optional[float], final: bool = False) -> bool:
@@ -165,8 +176,9 @@ class CompileCache:
         layer captures the region calls that compiled (``PrecompiledRegions.capture_pending``) into this save.
         Returns whether a bundle was written.
         """
-        if final and self.precompiled is not None:  # calls are kept only where they are captured: rank 0, writing
+        if final and self.precompiled is not None and self.settings.writes:
             self.precompiled.capture_pending()
+            self._gather_captures()
         counts = self.layer_counts().values()
         misses, used = sum(c["misses"] for c in counts), sum(c["hits"] + c["misses"] for c in counts)
         # The first bundle as soon as anything went through torch's caches (a warm local cache hits), then again
