@@ -217,3 +217,25 @@ def test_telemetry_counts_bucket_warm_up_compiles_as_compiles_not_recompiles():
     assert summary["unique_graphs"] == 4 * 3 and summary["compiles"] == 4 * 3, "4 buckets x 3 entries"
     assert summary["recompiles"] == 0, "every bucket compiled on purpose during warm-up"
     assert not [row for row in callback.telemetry.events() if row[0] == "recompile"]
+
+
+def test_dynamic_full_background_trains_from_the_first_step_then_one_dynamic_graph_takes_every_length():
+    """The bundled no-wait variable-length policy: the first steps run eagerly while the one dynamic graph compiles on
+    a thread; from the switch on every length (padded to multiples of 64... here of 8) runs that graph: no
+    recompile, losses as eager training's."""
+    from tests.test_background import WaitForBackground
+
+    stream = varying_stream(repeats=1)
+    _, eager, _ = fit(None, Stream(stream))
+    torch._dynamo.reset()
+    policy = to_policy("dynamic_full_background", backend="aot_eager", shapes={"pad": {"multiple_of": 8}})
+    callback = CompileCallback(policy, print_plan=False)
+    recorder = Recorder()
+    module = tiny_module()
+    trainer = quiet_cpu_trainer(max_steps=len(stream), callbacks=[recorder, callback, WaitForBackground(callback, 2)])
+    trainer.fit(module, datamodule=Stream(stream))
+    summary = callback.summary()
+    assert callback.background.installed and summary["background_eager_steps"] == 2
+    assert (summary["compiles"], summary["recompiles"], summary["unique_graphs"]) == (1, 0, 1)
+    assert callback.applied.compiled[0].calls == len(stream) - 2  # every step after the switch, whatever its length
+    assert recorder.losses == pytest.approx(eager.losses, rel=1e-4)

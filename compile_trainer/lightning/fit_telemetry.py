@@ -257,9 +257,10 @@ class FitTelemetry:
         ]
         if summary.get("padding_overhead") is not None:
             expected = summary.get("expected_padding_overhead")
+            buckets = f" to buckets {summary['buckets']}" if summary["buckets"] else ""
             lines.append(
-                f"  padding to buckets {summary['buckets']}: {summary['padding_overhead']:.1%} more positions than "
-                "the data" + (f" (expected {expected:.1%})" if expected is not None else "")
+                f"  padding{buckets}: {summary['padding_overhead']:.1%} more positions than the data"
+                + (f" (expected {expected:.1%})" if expected is not None else "")
             )
         if summary["cudagraph_skips"]:
             lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
