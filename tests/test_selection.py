@@ -92,12 +92,18 @@ def test_regional_detection_on_transformer_encoder():
     assert plan.region_names() == ["0.layers.0", "0.layers.1", "0.layers.2"]
 
 
-def test_regional_without_repeated_blocks_names_the_children(tiny_gpt):
+def test_a_module_without_repeated_blocks_is_compiled_whole_not_refused(tiny_gpt):
     root = Wrapper(tiny_gpt)
-    with pytest.raises(PolicyError, match=r"'model.blocks.0' \(Block\) has no repeated blocks.*model.blocks.0.ln_1"):
-        plan_for(root, [{"name": "model.blocks.0", "action": "regional"}])
-    # A glob that also matches modules without blocks compiles those whole as the rule's rest.
-    for rest in ("compile", "outer"):
+    plan = plan_for(root, [{"name": "model.blocks.0", "action": "regional"}])
+    assert [(r.name, r.role) for r in plan.regions] == [("model.blocks.0", "full")]
+    assert plan.notes == ["model.blocks.0 (Block) has no repeated blocks at any depth: compiled whole (rule 0)"]
+    for rest in ("eager", "compile", "outer", "auto", "nested"):  # as blocks that share too little are
+        assert plan_for(root, [{"name": "model.blocks.0", "action": "regional", "rest": rest}]).regions == plan.regions
+    dropout = "model.blocks.0.attn.resid_dropout"  # no weights
+    plan = plan_for(root, [{"name": dropout, "action": "regional"}])
+    assert plan.regions == [] and "no parameters or buffers: left eager" in plan.notes[0]
+    # A glob that also matches modules without blocks compiles those whole beside the blocks of the others.
+    for rest in ("eager", "compile", "outer"):
         plan = plan_for(root, [{"name": "*", "action": "regional", "rest": rest}])
         assert "head" in plan.region_names() and "model.blocks.0" in plan.region_names(), rest
 
@@ -115,7 +121,7 @@ def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
     root = Wrapper(Stages([4, 8, 16, 32, 64]))
     rule = [{"name": "*", "action": "regional", "rest": "outer"}]
     plan = plan_for(root, rule)
-    assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "rest")]  # Wrapper's head
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "full")]  # Wrapper's head
     assert any("4 blocks in 4 distinct structures, 1.0 per compiled graph" in note for note in plan.notes)
     plan = plan_for(root, rule, regional_min_reuse=0)
     assert [r.role for r in plan.regions].count("block") == 4
