@@ -218,9 +218,10 @@ def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tup
 
 def _expand_rule(
     index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan,
-    policy: CompilePolicy,
+    policy: CompilePolicy, above: List[Tuple[str, nn.Module]],
 ) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
-    """What one rule does to one matched module: ``(name, region or None for eager)`` items."""
+    """What one rule does to one matched module (under the modules ``above`` it, outermost first):
+    ``(name, region or None for eager)`` items."""
     if rule.action == "eager":
         return [(name, None)]
     if rule.action == "full":
@@ -233,7 +234,8 @@ def _expand_rule(
         return [(name, Region(name, module, settings, index, "nested", nested_blocks=blocks))]
     modules = dict(module.named_modules(prefix=name))
     block_names = [b for _, names in stacks for b in names]
-    structure = group_blocks(module, [(_relative(c, name), [_relative(b, name) for b in bs]) for c, bs in stacks])
+    relative = [(_relative(c, name), [_relative(b, name) for b in bs]) for c, bs in stacks]
+    structure = group_blocks(module, relative, prefix=name, above=above)
     plan.notes.extend(structure.notes)
     reuse, min_reuse = structure.reuse, policy.regional_min_reuse
     if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
@@ -244,8 +246,7 @@ def _expand_rule(
             "the blocks regionally"
         )
         return [(name, Region(name, module, settings, index, "full"))]
-    for builder, decoder in structure.cache_builders.items():
-        plan.training_without_cache[_join(name, builder) if builder else name] = decoder
+    plan.training_without_cache.update(structure.cache_builders)
     containers = [c for c, _ in stacks]
     rest = rule.rest
     breaks = _outer_breaks(name, modules, containers) if rest in ("outer", "auto") else None
@@ -376,6 +377,12 @@ def _outer_breaks(name: str, modules: Dict[str, nn.Module], containers: List[str
     return sorted(set(breaks))
 
 
+def _prefixes(name: str) -> List[str]:
+    """The names of the modules above ``name``, the root (``""``) first."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
 def _relative(name: str, prefix: str) -> str:
     return name[len(prefix) + 1 :] if prefix else name
 
@@ -402,7 +409,8 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
             raise PolicyError(f"rule {index} {rule.describe()} matches no module; {_nearest(rule, modules)}.")
         settings = policy.settings.overridden_by(rule)
         for name, module in matched:
-            for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy):
+            above = [(n, modules[n]) for n in _prefixes(name)]
+            for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy, above):
                 _place(plan, index, item_name, region)
     plan.regions.sort(key=lambda r: list(modules).index(r.name))
     return plan

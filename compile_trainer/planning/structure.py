@@ -115,8 +115,8 @@ class BlockGroups:
     shared_floats: Dict[str, List[str]] = field(default_factory=dict)
     # structure key -> index attributes left out of the key (read only to address a KV cache)
     indices: Dict[str, List[str]] = field(default_factory=dict)
-    # module (relative name) whose training forwards should build no KV cache -> the decoder class whose config
-    # builds one
+    # module (qualified name in the model) whose training forwards should build no KV cache -> the decoder class
+    # whose config builds one
     cache_builders: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
 
@@ -133,9 +133,16 @@ class BlockGroups:
         return len(self.keys) / max(len(self.groups), 1)
 
 
-def group_blocks(root: nn.Module, stacks: Sequence[Stack], notes: bool = True) -> BlockGroups:
+def group_blocks(
+    root: nn.Module,
+    stacks: Sequence[Stack],
+    notes: bool = True,
+    prefix: str = "",
+    above: Sequence[Tuple[str, nn.Module]] = (),
+) -> BlockGroups:
     """Group the blocks of ``stacks`` (under ``root``, by qualified name) by ``structure_key``; with ``notes``,
-    say what shares a graph and what splits one."""
+    say what shares a graph and what splits one. ``root`` is named ``prefix`` in the model, under the modules
+    ``above`` (``(name, module)``, outermost first), which may hold the decoder config that builds a KV cache."""
     result = BlockGroups()
     by_class: Dict[type, List[str]] = {}
     index_of: Dict[str, List[str]] = {}  # block -> its stack's index attributes
@@ -159,12 +166,12 @@ def group_blocks(root: nn.Module, stacks: Sequence[Stack], notes: bool = True) -
                 result.shared_floats[key] = floats
         builders = {}
         for name in names:
-            builder = cache_builder(root, name) if index_of[name] else None
+            builder = cache_builder(root, name, prefix, above) if index_of[name] else None
             if builder is not None:
                 builders[builder[0]] = builder[1]
         result.cache_builders.update(builders)
         if notes:
-            result.notes += _notes(cls, names, blocks, result, index_of, builders)
+            result.notes += _notes(cls, names, blocks, result, index_of, builders, prefix)
     return result
 
 
@@ -184,16 +191,18 @@ def _differing_floats(blocks: Sequence[nn.Module]) -> List[str]:
     )
 
 
-def cache_builder(root: nn.Module, block: str) -> Optional[Tuple[str, str]]:
-    """(the module above ``block`` that decides ``use_cache`` for its forward, the decoder class whose config
-    builds a KV cache) when the blocks run under a cache-building decoder config, else None."""
+def cache_builder(
+    root: nn.Module, block: str, prefix: str = "", above: Sequence[Tuple[str, nn.Module]] = ()
+) -> Optional[Tuple[str, str]]:
+    """(the module above ``block`` that decides ``use_cache`` for its forward, by qualified name; the decoder class
+    whose config builds a KV cache) when the blocks run under a cache-building decoder config, else None."""
     parts = block.split(".")
-    names = [".".join(parts[:i]) for i in range(len(parts))]
-    ancestors = [root.get_submodule(name) for name in names]
-    decoder = kv_cache_config(ancestors)
+    inside = [".".join(parts[:i]) for i in range(len(parts))]
+    chain = [*above, *((".".join(p for p in (prefix, name) if p), root.get_submodule(name)) for name in inside)]
+    decoder = kv_cache_config([module for _, module in chain])
     if decoder is None:
         return None
-    for name, module in reversed(list(zip(names, ancestors))):
+    for name, module in reversed(chain):
         if hasattr(getattr(module, "config", None), "use_cache") and _takes(module, "use_cache"):
             return name, decoder
     return None
@@ -206,17 +215,18 @@ def _takes(module: nn.Module, parameter: str) -> bool:
         return False
 
 
-def _notes(cls, names, blocks, groups: BlockGroups, index_of, builders) -> List[str]:
+def _notes(cls, names, blocks, groups: BlockGroups, index_of, builders, prefix: str) -> List[str]:
     notes = []
     keys = {groups.keys[name] for name in names}
     indices = sorted({path for name in names for path in index_of[name]})
     if indices and builders:
-        where = ", ".join(f"{module or '<root>'} ({decoder})" for module, decoder in builders.items())
+        decoders = ", ".join(sorted(set(builders.values())))
+        modules = ", ".join(module or "<root>" for module in builders)
         notes.append(
             f"{cls.__name__} blocks read their index ({', '.join(indices)}) only to address a KV cache, which "
-            f"{where} builds in training too (use_cache=True): its training forwards run without one "
-            "(use_cache=False unless the call asks for a cache), so the blocks share a graph; calls that pass a "
-            "cache (evaluation, generation) compile a graph per block, as before"
+            f"{decoders}'s config (use_cache=True) builds in training too: the training forwards of {modules} run "
+            "without one (use_cache=False where the call does not ask for a cache), so the blocks share one graph; "
+            "calls that pass a cache (evaluation, generation) run a graph per block"
         )
     for key in keys & set(groups.shared_floats):
         count = sum(groups.keys[name] == key for name in names)
