@@ -129,3 +129,43 @@ def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
     assert [r.role for r in plan_for(same, rule).regions].count("block") == 2
     with pytest.raises(PolicyError, match="regional_min_reuse must be >= 0"):
         to_policy("regional", regional_min_reuse=-1)
+
+
+class Stage(nn.Module):
+    """A CNN stage: a downsampling projection, then blocks of one width (``blocks`` of them)."""
+
+    def __init__(self, width_in: int, width: int, blocks: int):
+        super().__init__()
+        self.downsample = nn.Linear(width_in, width)
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(blocks)]
+        )
+
+
+class Staged(nn.Module):
+    def __init__(self, depths, stem_blocks: bool = True):
+        super().__init__()
+        widths = [4 * 2**i for i in range(len(depths) + 1)]
+        self.stages = nn.Sequential(*[Stage(widths[i], widths[i + 1], depth) for i, depth in enumerate(depths)])
+        if not stem_blocks:
+            self.stages[0].blocks = nn.Identity()
+
+
+def test_blocks_inside_stages_that_differ_are_found_at_that_depth():
+    plan = plan_for(Wrapper(Staged([3, 3, 6])), [{"name": "model", "action": "regional"}])
+    blocks = [r for r in plan.regions if r.role == "block"]
+    assert [r.name for r in blocks][:4] == ["model.stages.0.blocks.0", "model.stages.0.blocks.1",
+                                            "model.stages.0.blocks.2", "model.stages.1.blocks.0"]  # fmt: skip
+    assert len(blocks) == 12 and len({r.structure for r in blocks}) == 3
+    assert (
+        "model.stages (Sequential): 3 Stage children in 3 distinct structures (1.0 per graph); the stacks inside them "
+        "(model.stages.0.blocks, model.stages.1.blocks, model.stages.2.blocks): 12 blocks in 3 structures (4.0 per "
+        "graph): compiled at that depth, the children's other parts as the rest"
+    ) in plan.notes
+    # too little reuse inside (2 blocks per stage): the stages are the blocks, and share too little: compiled whole
+    plan = plan_for(Wrapper(Staged([2, 2, 2])), [{"name": "model", "action": "regional"}])
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full")]
+    assert any("6 blocks in 3 structures (2.0 per graph): below regional_min_reuse 3" in note for note in plan.notes)
+    # a stage without blocks of its own: its compute would be rest, so the stages stay the blocks
+    plan = plan_for(Wrapper(Staged([3, 3, 6], stem_blocks=False)), [{"name": "model", "action": "regional"}])
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full")]
