@@ -212,7 +212,7 @@ def test_a_model_without_repeated_blocks_trains_under_the_callbacks_defaults():
     assert [(item.region.name, item.region.role) for item in callback.applied.compiled] == [("net", "full")]
     notes = "\n".join(callback.applied.notes)
     assert "net (SimpleDenseNet) has no repeated blocks at any depth: compiled whole (rule 0)" in notes
-    assert "train_acc (MulticlassAccuracy) has no repeated blocks at any depth and no parameters or buffers" in notes
+    assert "criterion, train_acc, val_acc and 3 more: no parameters or buffers, left eager (rule 0)" in notes
     summary = callback.summary()
     assert summary["recompiles"] == 0 and summary["graph_breaks"] == 0 and summary["unique_graphs"] > 0
     assert set(compiled.state_dict()) == set(eager.state_dict())

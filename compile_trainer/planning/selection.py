@@ -279,12 +279,10 @@ def _without_blocks(
     index: int, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan
 ) -> List[Tuple[str, Optional[Region]]]:
     """A module a regional rule matched that holds no repeated blocks at any depth: compiled whole, as one whose
-    blocks share too little is (left eager only when it holds no weights)."""
-    where = f"{name} ({type(module).__name__}) has no repeated blocks at any depth"
-    if not _has_state(module):
-        plan.notes.append(f"{where} and no parameters or buffers: left eager (rule {index})")
-        return []
-    plan.notes.append(f"{where}: compiled whole (rule {index})")
+    blocks share too little is."""
+    plan.notes.append(
+        f"{name} ({type(module).__name__}) has no repeated blocks at any depth: compiled whole (rule {index})"
+    )
     return [(name, Region(name, module, settings, index, "full"))]
 
 
@@ -408,7 +406,12 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
         if not matched:
             raise PolicyError(f"rule {index} {rule.describe()} matches no module; {_nearest(rule, modules)}.")
         settings = policy.settings.overridden_by(rule)
+        weightless = [n for n, m in matched if rule.action == "regional" and not _has_state(m)]
+        if weightless:  # a loss, a metric: nothing to compile
+            plan.notes.append(f"{_listed(weightless)}: no parameters or buffers, left eager (rule {index})")
         for name, module in matched:
+            if name in weightless:
+                continue
             above = [(n, modules[n]) for n in _prefixes(name)]
             for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy, above):
                 _place(plan, index, item_name, region)
