@@ -77,7 +77,7 @@ class CompiledRegion:
     def route(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Callable[..., Any]]:
         """What a call runs instead of the shared entry: for a call passing a KV cache to a block whose index
         addresses it, an entry of the block's own (compiled at the first such call). None: the shared entry."""
-        if not self.region.indices or not passes_kv_cache(args, kwargs):
+        if not passes_kv_cache(args, kwargs):
             return None
         if self.cache_call is None:
             self.cache_entry = _entry_function(type(self.region.module), f"{self.entry_key}@{self.region.name}+cache")
@@ -403,7 +403,10 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
                 floats.prime(entry.__code__)
             item.guard_filter = floats.guard_filter
         compat.install_compiled_call(
-            region.module, RegionCall(item, item.compile_on(region.module), applied.interceptors, route=item.route)
+            region.module,
+            RegionCall(
+                item, item.compile_on(region.module), applied.interceptors, route=item.route if region.indices else None
+            ),
         )
         applied.compiled.append(item)
         if region.role == "nested":
