@@ -465,6 +465,33 @@ def aot_changed_sources(compiled: Any, skip: Callable[[str], bool]) -> List[str]
     return sorted(changed)
 
 
+# -- Per-block floats as graph inputs ------------------------------------------------------------------------
+# Dynamo wraps a float it reads as a symbolic input only once it has seen two values of it (automatic dynamic):
+# the first compile specializes, the second recompiles. Blocks sharing one entry differ in such a value by design,
+# so their entry's state is primed as after a second value (torch._dynamo.pgo, 2.6-2.13: the code state per code
+# object, keyed by the source's name). torch._dynamo.reset() clears it.
+
+
+def float_source(argument: str, path: str) -> str:
+    """Dynamo's name for the float ``path`` (``"drop_path.drop_prob"``) of the module passed as ``argument``."""
+    *modules, attribute = path.split(".")
+    return f"L[{argument!r}]" + "".join(f"._modules[{m!r}]" for m in modules) + f".{attribute}"
+
+
+def prime_dynamic_floats(code: Any, sources: Sequence[str]) -> None:
+    """Dynamo's first compile of ``code`` takes these float sources as symbolic graph inputs."""
+    from torch._dynamo import pgo
+
+    state = pgo.get_code_state()[pgo.CodeId.make(code)]
+    for source in sources:
+        state.automatic_dynamic[source] = pgo.FrameStateSizeEntry(scalar=pgo.auto_dynamic)
+
+
+def guard_code_parts(guard: Any) -> List[str]:
+    """The Python expressions a guard given to a ``guard_filter_fn`` checks (a shape-env guard's relations)."""
+    return list(getattr(guard.orig_guard, "code_list", None) or [])
+
+
 # -- The probes --------------------------------------------------------------------------------------------
 
 
@@ -506,6 +533,31 @@ def _probe_cache_counters() -> None:
     assert set(cache_counters()) == set(CACHE_COUNTERS)
 
 
+def _probe_dynamic_floats() -> None:
+    """Two modules that differ in a float share one graph when the entry is primed."""
+    from torch._dynamo.testing import CompileCounter
+
+    def entry(module, x):
+        return x * module.scale
+
+    counter, seen = CompileCounter(), []
+    code = entry.__code__.replace(co_name="compat_probe_floats")
+    function = type(entry)(code, entry.__globals__, "compat_probe_floats")
+    prime_dynamic_floats(code, [float_source("module", "scale")])
+    for scale in (0.5, 0.25):
+        module = nn.Module()
+        module.scale = scale
+
+        def watch(guards):
+            seen.extend(part for guard in guards for part in guard_code_parts(guard))
+            return [True] * len(guards)
+
+        compiled = torch.compile(function, backend=counter, options={"guard_filter_fn": watch})
+        assert torch.equal(compiled(module, torch.ones(2)), torch.full((2,), scale))
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs for two values of a primed float"
+    assert any("L['module'].scale" in part for part in seen), seen
+
+
 def _probe_aot_compile() -> None:
     def double(x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -542,6 +594,7 @@ ENTRIES = [
     Entry("fresh_inductor_cache", fresh_inductor_cache),
     Entry("inductor_cache_dir", lambda: os.path.isdir(inductor_cache_dir())),
     Entry("cache_counters", _probe_cache_counters),
+    Entry("prime_dynamic_floats", _probe_dynamic_floats),
 ]
 # Present from the version named: probed only there.
 VERSIONED_ENTRIES = [

@@ -124,7 +124,7 @@ def test_auto_falls_back_to_compile_where_the_module_loops_over_its_blocks(tiny_
         "model.embed": "rest",
         **{f"model.blocks.{i}": "block" for i in range(3)},
         "model.head": "rest",
-        "head": "rest",  # the Wrapper's own head, matched by the glob, has no blocks: compiled whole
+        "head": "full",  # the Wrapper's own head, matched by the glob, has no blocks: compiled whole
     }
     assert "(rest: outer)" in notes(plan) and "loops over its blocks in its own forward" in notes(plan)
 

@@ -92,12 +92,18 @@ def test_regional_detection_on_transformer_encoder():
     assert plan.region_names() == ["0.layers.0", "0.layers.1", "0.layers.2"]
 
 
-def test_regional_without_repeated_blocks_names_the_children(tiny_gpt):
+def test_a_module_without_repeated_blocks_is_compiled_whole_not_refused(tiny_gpt):
     root = Wrapper(tiny_gpt)
-    with pytest.raises(PolicyError, match=r"'model.blocks.0' \(Block\) has no repeated blocks.*model.blocks.0.ln_1"):
-        plan_for(root, [{"name": "model.blocks.0", "action": "regional"}])
-    # A glob that also matches modules without blocks compiles those whole as the rule's rest.
-    for rest in ("compile", "outer"):
+    plan = plan_for(root, [{"name": "model.blocks.0", "action": "regional"}])
+    assert [(r.name, r.role) for r in plan.regions] == [("model.blocks.0", "full")]
+    assert plan.notes == ["model.blocks.0 (Block) has no repeated blocks at any depth: compiled whole (rule 0)"]
+    for rest in ("eager", "compile", "outer", "auto", "nested"):  # as blocks that share too little are
+        assert plan_for(root, [{"name": "model.blocks.0", "action": "regional", "rest": rest}]).regions == plan.regions
+    dropout = "model.blocks.0.attn.resid_dropout"  # no weights
+    plan = plan_for(root, [{"name": dropout, "action": "regional"}])
+    assert plan.regions == [] and plan.notes == [f"{dropout}: no parameters or buffers, left eager (rule 0)"]
+    # A glob that also matches modules without blocks compiles those whole beside the blocks of the others.
+    for rest in ("eager", "compile", "outer"):
         plan = plan_for(root, [{"name": "*", "action": "regional", "rest": rest}])
         assert "head" in plan.region_names() and "model.blocks.0" in plan.region_names(), rest
 
@@ -115,7 +121,7 @@ def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
     root = Wrapper(Stages([4, 8, 16, 32, 64]))
     rule = [{"name": "*", "action": "regional", "rest": "outer"}]
     plan = plan_for(root, rule)
-    assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "rest")]  # Wrapper's head
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "full")]  # Wrapper's head
     assert any("4 blocks in 4 distinct structures, 1.0 per compiled graph" in note for note in plan.notes)
     plan = plan_for(root, rule, regional_min_reuse=0)
     assert [r.role for r in plan.regions].count("block") == 4
@@ -123,3 +129,43 @@ def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
     assert [r.role for r in plan_for(same, rule).regions].count("block") == 2
     with pytest.raises(PolicyError, match="regional_min_reuse must be >= 0"):
         to_policy("regional", regional_min_reuse=-1)
+
+
+class Stage(nn.Module):
+    """A CNN stage: a downsampling projection, then blocks of one width (``blocks`` of them)."""
+
+    def __init__(self, width_in: int, width: int, blocks: int):
+        super().__init__()
+        self.downsample = nn.Linear(width_in, width)
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width)) for _ in range(blocks)]
+        )
+
+
+class Staged(nn.Module):
+    def __init__(self, depths, stem_blocks: bool = True):
+        super().__init__()
+        widths = [4 * 2**i for i in range(len(depths) + 1)]
+        self.stages = nn.Sequential(*[Stage(widths[i], widths[i + 1], depth) for i, depth in enumerate(depths)])
+        if not stem_blocks:
+            self.stages[0].blocks = nn.Identity()
+
+
+def test_blocks_inside_stages_that_differ_are_found_at_that_depth():
+    plan = plan_for(Wrapper(Staged([3, 3, 6])), [{"name": "model", "action": "regional"}])
+    blocks = [r for r in plan.regions if r.role == "block"]
+    assert [r.name for r in blocks][:4] == ["model.stages.0.blocks.0", "model.stages.0.blocks.1",
+                                            "model.stages.0.blocks.2", "model.stages.1.blocks.0"]  # fmt: skip
+    assert len(blocks) == 12 and len({r.structure for r in blocks}) == 3
+    assert (
+        "model.stages (Sequential): 3 Stage children in 3 distinct structures (1.0 per graph); the stacks inside them "
+        "(model.stages.0.blocks, model.stages.1.blocks, model.stages.2.blocks): 12 blocks in 3 structures (4.0 per "
+        "graph): compiled at that depth, the children's other parts as the rest"
+    ) in plan.notes
+    # too little reuse inside (2 blocks per stage): the stages are the blocks, and share too little: compiled whole
+    plan = plan_for(Wrapper(Staged([2, 2, 2])), [{"name": "model", "action": "regional"}])
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full")]
+    assert any("6 blocks in 3 structures (2.0 per graph): below regional_min_reuse 3" in note for note in plan.notes)
+    # a stage without blocks of its own: its compute would be rest, so the stages stay the blocks
+    plan = plan_for(Wrapper(Staged([3, 3, 6], stem_blocks=False)), [{"name": "model", "action": "regional"}])
+    assert [(r.name, r.role) for r in plan.regions] == [("model", "full")]

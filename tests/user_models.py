@@ -42,11 +42,11 @@ def tiny_bert(**overrides) -> nn.Module:
 
 
 def tiny_t5(**overrides) -> nn.Module:
-    config = transformers.T5Config(
+    config = dict(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **overrides,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    return transformers.T5ForConditionalGeneration(config)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(**(config | overrides)))
 
 
 def tiny_vit(**overrides) -> nn.Module:
@@ -55,6 +55,23 @@ def tiny_vit(**overrides) -> nn.Module:
         intermediate_size=64, num_labels=10, **overrides,
     )  # fmt: skip
     return transformers.ViTForImageClassification(config)
+
+
+def tiny_convnext(**overrides) -> nn.Module:
+    """ConvNeXt-T's layout (stages of 3, 3, 9 and 3 blocks, each stage wider), widths scaled down."""
+    config = transformers.ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 16, 32, 64], depths=[3, 3, 9, 3], num_labels=10, **overrides
+    )
+    return transformers.ConvNextForImageClassification(config)
+
+
+def tiny_beit(**overrides) -> nn.Module:
+    """BEiT: a ViT whose blocks carry stochastic depth rising linearly to ``drop_path_rate`` (timm's recipe)."""
+    config = dict(
+        image_size=IMAGE, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+        intermediate_size=64, num_labels=10, drop_path_rate=0.1,
+    )  # fmt: skip
+    return transformers.BeitForImageClassification(transformers.BeitConfig(**(config | overrides)))
 
 
 def tiny_hf_resnet(**overrides) -> nn.Module:
@@ -122,11 +139,11 @@ def token_batches(count: int, seed: int, mask_labels: bool = False):
     return batches
 
 
-def image_batches(count: int, seed: int):
+def image_batches(count: int, seed: int, size: int = IMAGE):
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(count):
-        pixels = torch.randn(4, 3, IMAGE, IMAGE, generator=generator)
+        pixels = torch.randn(4, 3, size, size, generator=generator)
         batches.append({"pixel_values": pixels, "labels": torch.randint(0, 10, (4,), generator=generator)})
     return batches
 
@@ -138,6 +155,8 @@ FAMILIES: Dict[str, Callable] = {
     "t5": lambda seed: token_batches(4, seed),
     "vit": lambda seed: image_batches(4, seed),
     "hf_resnet": lambda seed: image_batches(4, seed),
+    "convnext": lambda seed: image_batches(4, seed, size=64),  # 2x2 in the last stage, as 7x7 at 224
+    "beit": lambda seed: image_batches(4, seed),
     "staged_resnet": lambda seed: image_batches(4, seed),
 }
 BUILDERS: Dict[str, Callable[..., nn.Module]] = {
@@ -147,6 +166,8 @@ BUILDERS: Dict[str, Callable[..., nn.Module]] = {
     "t5": tiny_t5,
     "vit": tiny_vit,
     "hf_resnet": tiny_hf_resnet,
+    "convnext": tiny_convnext,
+    "beit": tiny_beit,
     "staged_resnet": StagedResNet,
 }
 
@@ -187,3 +208,83 @@ class UserData(pl.LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.val, batch_size=None)
+
+
+class SimpleDenseNet(nn.Module):
+    """lightning-hydra-template's MNIST model (src/models/components/simple_dense_net.py): no repeated blocks."""
+
+    def __init__(self, input_size: int = 64, lin1_size: int = 32, lin2_size: int = 32, lin3_size: int = 32,
+                 output_size: int = 10):  # fmt: skip
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Linear(input_size, lin1_size),
+            nn.BatchNorm1d(lin1_size),
+            nn.ReLU(),
+            nn.Linear(lin1_size, lin2_size),
+            nn.BatchNorm1d(lin2_size),
+            nn.ReLU(),
+            nn.Linear(lin2_size, lin3_size),
+            nn.BatchNorm1d(lin3_size),
+            nn.ReLU(),
+            nn.Linear(lin3_size, output_size),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch_size, channels, width, height = x.size()
+        x = x.view(batch_size, -1)
+        return self.model(x)
+
+
+class MNISTLitModule(pl.LightningModule):
+    """lightning-hydra-template's MNISTLitModule (src/models/mnist_module.py), trimmed to what a fit runs: the net,
+    its loss and the torchmetrics it logs."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics import MaxMetric, MeanMetric
+        from torchmetrics.classification.accuracy import Accuracy
+
+        torch.manual_seed(0)
+        self.net = SimpleDenseNet()
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc, self.val_acc = (
+            Accuracy(task="multiclass", num_classes=10),
+            Accuracy("multiclass", num_classes=10),
+        )
+        self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
+        self.val_acc_best = MaxMetric()
+        self.losses = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def model_step(self, batch):
+        x, y = batch
+        logits = self.forward(x)
+        return self.criterion(logits, y), logits.argmax(dim=1), y
+
+    def training_step(self, batch, batch_idx):
+        loss, preds, targets = self.model_step(batch)
+        self.train_loss(loss)
+        self.train_acc(preds, targets)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss, preds, targets = self.model_step(batch)
+        self.val_loss(loss)
+        self.val_acc(preds, targets)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def digit_batches(count: int, seed: int):
+    """MNIST-shaped batches (8x8 images here), as ``(x, y)`` tuples."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 1, 8, 8, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+            for _ in range(count)]  # fmt: skip

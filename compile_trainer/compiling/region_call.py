@@ -21,7 +21,7 @@ An interceptor is called as ``interceptor(item, proceed, args, kwargs)`` (``item
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Protocol, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 MARK_INPUTS = 10
 STRICT_RECOMPILES = 20
@@ -59,12 +59,26 @@ class InterceptorChain:
 
 
 class RegionCall:
-    """Installed as a region module's compiled call: the chain's interceptors, then ``compiled``."""
+    """Installed as a region module's compiled call: the chain's interceptors, then ``compiled``.
 
-    def __init__(self, item: Any, compiled: Callable[..., Any], chain: InterceptorChain):
-        self.item, self.compiled, self.chain = item, compiled, chain
+    ``route(args, kwargs)``, where given, may name another compiled function for a call, which then runs without
+    the interceptors (a block called with a KV cache runs an entry of its own: evaluation and generation only).
+    """
+
+    def __init__(
+        self,
+        item: Any,
+        compiled: Callable[..., Any],
+        chain: InterceptorChain,
+        route: Optional[Callable[[Tuple[Any, ...], Dict[str, Any]], Optional[Callable[..., Any]]]] = None,
+    ):
+        self.item, self.compiled, self.chain, self.route = item, compiled, chain, route
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        routed = self.route(args, kwargs) if self.route is not None else None
+        if routed is not None:
+            self.item.calls += 1
+            return routed(*args, **kwargs)
         if not self.chain.interceptors:
             return self._run_compiled(*args, **kwargs)
         return self._proceed(tuple(self.chain.interceptors), 0, *args, **kwargs)

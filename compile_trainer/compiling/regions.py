@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import types
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from torch import nn
 
 from compile_trainer import compat
 from compile_trainer.compiling.backends import CompileOnlyBackend
+from compile_trainer.compiling.block_values import SharedFloats, float_values, passes_kv_cache, train_without_cache
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
@@ -51,18 +53,44 @@ class CompiledRegion:
     calls: int = 0
     # Compiled by a background thread: with a backend whose graphs it can compile without running them.
     background: bool = False
+    # Watches the entry's compiles where its blocks differ in floats (``block_values.SharedFloats``).
+    guard_filter: Optional[Callable[[Sequence[Any]], List[bool]]] = None
+    # The entry of this block's own that calls passing a KV cache run (``region.indices``), once one came.
+    cache_entry: Optional[types.FunctionType] = None
+    cache_call: Optional[Callable[..., Any]] = None
 
     @property
     def entry_name(self) -> str:
         return self.entry.__name__
 
-    def compile_on(self, module: nn.Module) -> Callable[..., Any]:
-        """``torch.compile`` of the entry bound to ``module``: every module given here shares one cache entry."""
+    def compile_on(self, module: nn.Module, entry: Optional[types.FunctionType] = None) -> Callable[..., Any]:
+        """``torch.compile`` of the entry (or ``entry``) bound to ``module``: every module given here shares one
+        cache entry."""
         kwargs = dict(self.compile_kwargs)
         if self.background:
             backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
             kwargs["backend"] = CompileOnlyBackend(*backend)
-        return torch.compile(types.MethodType(self.entry, module), **kwargs)
+        if self.guard_filter is not None and entry is None:
+            kwargs = _with_guard_filter(kwargs, self.guard_filter)
+        return torch.compile(types.MethodType(entry or self.entry, module), **kwargs)
+
+    def route(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Callable[..., Any]]:
+        """What a call runs instead of the shared entry: for a call passing a KV cache to a block whose index
+        addresses it, an entry of the block's own (compiled at the first such call). None: the shared entry."""
+        if not passes_kv_cache(args, kwargs):
+            return None
+        if self.cache_call is None:
+            self.cache_entry = _entry_function(type(self.region.module), f"{self.entry_key}@{self.region.name}+cache")
+            self.cache_call = self.compile_on(self.region.module, self.cache_entry)
+        return self.cache_call
+
+
+def _with_guard_filter(kwargs: Dict[str, Any], guard_filter: Callable[..., Any]) -> Dict[str, Any]:
+    """``torch.compile`` arguments with a guard filter, which travels in ``options`` (beside no ``mode``)."""
+    mode, options = kwargs.pop("mode", None), dict(kwargs.get("options") or {})
+    if mode:
+        options = {**compat.inductor_mode_options(mode), **options}
+    return {**kwargs, "options": {**options, "guard_filter_fn": guard_filter}}
 
 
 @dataclass
@@ -357,6 +385,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         torch.backends.cuda.enable_cudnn_sdp(False)
         applied.process_settings.callback(torch.backends.cuda.enable_cudnn_sdp, True)
         applied.notes.append(CUDNN_ATTENTION_OFF)
+    shared_floats: Dict[str, SharedFloats] = {}  # entry key -> its blocks' floats
     for region, kwargs in planned:
         # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
@@ -366,12 +395,24 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         item = CompiledRegion(
             region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs, background=policy.background
         )
+        if region.shared_floats:
+            floats = shared_floats.get(item.entry_key)
+            if floats is None:
+                on_pinned = functools.partial(_split_by_value, applied, item.entry_key)
+                floats = shared_floats[item.entry_key] = SharedFloats(region.shared_floats, on_pinned)
+                floats.prime(entry.__code__)
+            item.guard_filter = floats.guard_filter
         compat.install_compiled_call(
-            region.module, RegionCall(item, item.compile_on(region.module), applied.interceptors)
+            region.module,
+            RegionCall(
+                item, item.compile_on(region.module), applied.interceptors, route=item.route if region.indices else None
+            ),
         )
         applied.compiled.append(item)
         if region.role == "nested":
             _mark_nested_blocks(applied, root, region)
+    for name in plan.training_without_cache:
+        applied.process_settings.callback(train_without_cache(root.get_submodule(name)).remove)
     for name in plan.eager:
         if plan.enclosing_region(name) is not None:
             module = root.get_submodule(name)
@@ -379,6 +420,26 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
             applied.eager_inside.append(name)
     setattr(root, APPLIED_ATTR, applied)
     return applied
+
+
+def _split_by_value(applied: AppliedPolicy, entry_key: str, compiled: Dict[str, Any], pinned: str) -> None:
+    """The compiler specialized a float the blocks of ``entry_key`` were to share (``pinned``): the blocks whose
+    values differ from those compiled (``compiled``) move to entries per value, before their first call."""
+    moved = []
+    for item in [item for item in applied.compiled if item.entry_key == entry_key]:
+        values = float_values(item.region.module, item.region.shared_floats)
+        if compiled and all(values.get(path) == value for path, value in compiled.items()):
+            continue
+        item.entry_key = f"{entry_key}|{sorted(values.items())!r}"
+        item.entry = _entry_function(type(item.region.module), item.entry_key)
+        item.guard_filter = None
+        compat.compiled_call(item.region.module).compiled = item.compile_on(item.region.module)
+        moved.append(item.region.name)
+    if moved:
+        applied.notes.append(
+            f"the compiler specialized a value the blocks were to share ({pinned}): {len(moved)} blocks "
+            f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}) compile an entry per value instead"
+        )
 
 
 def format_plan_table(applied: AppliedPolicy) -> str:

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from compile_trainer.planning.structure import group_blocks
+from compile_trainer.planning.structure import BlockGroups, Stack, group_blocks
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError, Rule
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -37,6 +37,11 @@ class Region:
     breaks: List[str] = field(default_factory=list)
     # Blocks with equal keys share one compiled entry (``planning.structure``).
     structure: str = ""
+    # For a block: float attributes (paths in the block) that differ between the blocks sharing its entry, passed
+    # to the graph as inputs; index attributes left out of its key (read only to address a KV cache: a call that
+    # passes a cache runs an entry of the block's own).
+    shared_floats: List[str] = field(default_factory=list)
+    indices: List[str] = field(default_factory=list)
 
     @property
     def class_name(self) -> str:
@@ -51,6 +56,9 @@ class CompilePlan:
     # qualified name -> index of the rule that made it eager
     eager: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    # module whose training forwards run without a KV cache (``use_cache=False`` unless asked) -> the decoder
+    # class whose config builds one (``planning.structure.cache_builder``)
+    training_without_cache: Dict[str, str] = field(default_factory=dict)
 
     def region_names(self) -> List[str]:
         return [region.name for region in self.regions]
@@ -139,6 +147,63 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def find_block_stacks(module: nn.Module, name: str, min_reuse: float, notes: List[str]) -> List[Stack]:
+    """The block stacks a regional rule compiles under ``module`` (named ``name``), at whatever depth they sit.
+
+    A stack whose children differ in structure (a CNN's stages, the towers of a model) is not the end of the
+    search: where every child holds stacks of its own, and their blocks are reused more (blocks per distinct
+    structure) and at least ``min_reuse`` times, those are taken instead; ``notes`` says which level and why. A
+    stack whose children share one structure is kept (one graph holds all of it).
+    """
+    stacks: List[Stack] = []
+    for container, blocks in find_repeated_blocks(module, name):
+        stacks += _stack_level(module, name, container, blocks, min_reuse, notes)
+    return stacks
+
+
+def _stack_level(
+    module: nn.Module, name: str, container: str, blocks: List[str], min_reuse: float, notes: List[str]
+) -> List[Stack]:
+    here = _grouped(module, name, [(container, blocks)])
+    if len(here.groups) == 1:
+        return [(container, blocks)]
+    deeper: List[Stack] = []
+    inner_notes: List[str] = []
+    for block in blocks:
+        found = find_block_stacks(module.get_submodule(_relative(block, name)), block, min_reuse, inner_notes)
+        if not found:
+            return [(container, blocks)]  # a child without blocks of its own: its compute would be left as rest
+        deeper += found
+    inside = _grouped(module, name, deeper)
+    kind = type(module.get_submodule(_relative(container, name))).__name__
+    measured = (
+        f"{container} ({kind}): {len(blocks)} {_classes(module, name, blocks)} children in {len(here.groups)} "
+        f"distinct structures ({here.reuse:.1f} per graph); the stacks inside them "
+        f"({_listed([c for c, _ in deeper])}): {len(inside.keys)} blocks in {len(inside.groups)} structures "
+        f"({inside.reuse:.1f} per graph)"
+    )
+    if inside.reuse > here.reuse and inside.reuse >= min_reuse:
+        notes.extend(inner_notes)
+        notes.append(f"{measured}: compiled at that depth, the children's other parts as the rest")
+        return deeper
+    why = "no more reuse" if inside.reuse <= here.reuse else f"below regional_min_reuse {min_reuse:g}"
+    notes.append(f"{measured}: {why}, the children are the blocks")
+    return [(container, blocks)]
+
+
+def _grouped(module: nn.Module, name: str, stacks: List[Stack]) -> BlockGroups:
+    relative = [(_relative(c, name), [_relative(b, name) for b in blocks]) for c, blocks in stacks]
+    return group_blocks(module, relative, notes=False)
+
+
+def _classes(module: nn.Module, name: str, blocks: List[str]) -> str:
+    return "/".join(sorted({type(module.get_submodule(_relative(b, name))).__name__ for b in blocks}))
+
+
+def _listed(names: List[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tuple[str, nn.Module]]:
     """The largest subtrees under ``module`` that hold no block container."""
     if name in containers:
@@ -151,41 +216,28 @@ def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tup
     return roots
 
 
-class _NoRepeatedBlocks(Exception):
-    def __init__(self, name: str, module: nn.Module):
-        super().__init__(name)
-        self.name, self.module = name, module
-
-    def message(self, index: int, rule: Rule) -> str:
-        children = [f"{_join(self.name, c)} ({type(m).__name__})" for c, m in self.module.named_children()]
-        return (
-            f"rule {index} {rule.describe()}: module {self.name!r} ({type(self.module).__name__}) has no repeated "
-            "blocks (a ModuleList/Sequential whose children share one class). Its children: "
-            f"{', '.join(children) or 'none'}. Use action 'full' for it instead."
-        )
-
-
 def _expand_rule(
     index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan,
-    policy: CompilePolicy,
+    policy: CompilePolicy, above: List[Tuple[str, nn.Module]],
 ) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
-    """What one rule does to one matched module: ``(name, region or None for eager)`` items."""
+    """What one rule does to one matched module (under the modules ``above`` it, outermost first):
+    ``(name, region or None for eager)`` items."""
     if rule.action == "eager":
         return [(name, None)]
     if rule.action == "full":
         return [(name, Region(name, module, settings, index, "full"))]
-    groups = find_repeated_blocks(module, name)
-    if not groups:
-        raise _NoRepeatedBlocks(name, module)
+    stacks = find_block_stacks(module, name, policy.regional_min_reuse, plan.notes)
+    if not stacks:
+        return _without_blocks(index, name, module, settings, plan)
     if rule.rest == "nested":
-        blocks = [b for _, block_names in groups for b in block_names]
+        blocks = [b for _, block_names in stacks for b in block_names]
         return [(name, Region(name, module, settings, index, "nested", nested_blocks=blocks))]
     modules = dict(module.named_modules(prefix=name))
-    block_names = [b for _, names in groups for b in names]
-    structure = group_blocks(module, [_relative(b, name) for b in block_names])
+    block_names = [b for _, names in stacks for b in names]
+    relative = [(_relative(c, name), [_relative(b, name) for b in bs]) for c, bs in stacks]
+    structure = group_blocks(module, relative, prefix=name, above=above)
     plan.notes.extend(structure.notes)
-    reuse = len(block_names) / len(structure.groups)
-    min_reuse = policy.regional_min_reuse
+    reuse, min_reuse = structure.reuse, policy.regional_min_reuse
     if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
         plan.notes.append(
             f"{name} ({type(module).__name__}): {len(block_names)} blocks in {len(structure.groups)} distinct "
@@ -194,8 +246,10 @@ def _expand_rule(
             "the blocks regionally"
         )
         return [(name, Region(name, module, settings, index, "full"))]
+    plan.training_without_cache.update(structure.cache_builders)
+    containers = [c for c, _ in stacks]
     rest = rule.rest
-    breaks = _outer_breaks(name, modules, [c for c, _ in groups]) if rest in ("outer", "auto") else None
+    breaks = _outer_breaks(name, modules, containers) if rest in ("outer", "auto") else None
     if rest == "auto":
         rest = _auto_rest(name, modules, block_names, breaks, policy.regional_outer_min_share, plan)
     items: List[Tuple[str, Optional[Region]]] = []
@@ -209,12 +263,27 @@ def _expand_rule(
         items.append((name, Region(name, module, settings, index, "outer", breaks=breaks)))
         items += [(b, None) for b in breaks]
     for b in block_names:
-        items.append((b, Region(b, modules[b], settings, index, "block", structure=structure.keys[_relative(b, name)])))
+        key = structure.keys[_relative(b, name)]
+        block = Region(b, modules[b], settings, index, "block", structure=key)
+        block.shared_floats = list(structure.shared_floats.get(key, []))
+        block.indices = list(structure.indices.get(key, []))
+        items.append((b, block))
     if rest in ("compile", "outer"):
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
         for root_name, root in roots:
-            items += _rest_regions(root_name, root, [c for c, _ in groups], settings, index, plan)
+            items += _rest_regions(root_name, root, containers, settings, index, plan)
     return items
+
+
+def _without_blocks(
+    index: int, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan
+) -> List[Tuple[str, Optional[Region]]]:
+    """A module a regional rule matched that holds no repeated blocks at any depth: compiled whole, as one whose
+    blocks share too little is."""
+    plan.notes.append(
+        f"{name} ({type(module).__name__}) has no repeated blocks at any depth: compiled whole (rule {index})"
+    )
+    return [(name, Region(name, module, settings, index, "full"))]
 
 
 def _auto_rest(
@@ -306,21 +375,18 @@ def _outer_breaks(name: str, modules: Dict[str, nn.Module], containers: List[str
     return sorted(set(breaks))
 
 
+def _prefixes(name: str) -> List[str]:
+    """The names of the modules above ``name``, the root (``""``) first."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts))]
+
+
 def _relative(name: str, prefix: str) -> str:
     return name[len(prefix) + 1 :] if prefix else name
 
 
 def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _place_rest(plan: CompilePlan, index: int, rule: Rule, name: str, module: nn.Module, settings) -> None:
-    """A module that a regional glob matched but that holds no repeated blocks is all 'rest'."""
-    if rule.rest != "eager" and _has_state(module):
-        _place(plan, index, name, Region(name, module, settings, index, "rest"))
-        plan.notes.append(f"{name} has no repeated blocks: compiled whole as rest of rule {index}")
-    else:
-        plan.notes.append(f"{name} has no repeated blocks: left eager (rule {index}, rest={rule.rest})")
 
 
 def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
@@ -340,19 +406,15 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
         if not matched:
             raise PolicyError(f"rule {index} {rule.describe()} matches no module; {_nearest(rule, modules)}.")
         settings = policy.settings.overridden_by(rule)
-        without_blocks = []
+        weightless = [n for n, m in matched if rule.action == "regional" and not _has_state(m)]
+        if weightless:  # a loss, a metric: nothing to compile
+            plan.notes.append(f"{_listed(weightless)}: no parameters or buffers, left eager (rule {index})")
         for name, module in matched:
-            try:
-                items = _expand_rule(index, rule, name, module, settings, plan, policy)
-            except _NoRepeatedBlocks as missing:
-                without_blocks.append(missing)
+            if name in weightless:
                 continue
-            for item_name, region in items:
+            above = [(n, modules[n]) for n in _prefixes(name)]
+            for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy, above):
                 _place(plan, index, item_name, region)
-        if without_blocks and len(without_blocks) == len(matched):
-            raise PolicyError(without_blocks[0].message(index, rule))
-        for missing in without_blocks:  # a glob matched these beside modules that do have blocks
-            _place_rest(plan, index, rule, missing.name, missing.module, settings)
     plan.regions.sort(key=lambda r: list(modules).index(r.name))
     return plan
 

@@ -2,19 +2,27 @@
 
 Dynamo compiles a block's code once per set of guards. With parameters as graph inputs (the default since
 torch 2.5), blocks of one class share a graph when their parameter and buffer shapes, their submodule layout
-and the plain Python values their ``forward`` reads (an int used in control flow, a stride, a dropout rate)
-are equal; a block that differs in any of them would recompile the shared entry, once per variant, until
-``recompile_limit`` leaves the rest running eagerly (timm's ResNet: one downsampling block per stage, four
-widths). ``structure_key`` captures all three, so blocks that differ get entries of their own.
+and the plain Python values their ``forward`` reads (an int used in control flow, a stride, a flag) are equal; a
+block that differs in any of them would recompile the shared entry, once per variant, until ``recompile_limit``
+leaves the rest running eagerly (timm's ResNet: one downsampling block per stage, four widths).
+``structure_key`` captures all three, so blocks that differ get entries of their own.
 
-One kind of value is left out: a per-block index (``layer_idx``), distinct in every block of a stack. Read in
-``forward``, it makes every block its own graph; unread, it must not split the stack. Hugging Face decoder
-layers read it exactly when a KV cache is built (``config.use_cache``, on by default, also in training), so an
-index splits the blocks only under such a config, and the plan says how to share them again.
+Two kinds of per-block value are left out of the key, so that they do not split a stack:
+
+- a per-block index (``layer_idx``), distinct in every block of a stack (found per stack: T5's encoder and
+  decoder both count from 0). Hugging Face layers read it only to address a KV cache: a decoder whose config
+  has ``use_cache`` on (its default) builds one in training too, so ``cache_builders`` names the module whose
+  training forwards run without it; calls that do pass a cache (evaluation, generation) get a graph per block
+  (``compiling.block_values``);
+- a float that differs between blocks of one structure (a stochastic-depth probability, a per-layer scale): the
+  blocks share one graph with the value as a graph input (a symbolic float, ``compiling.block_values``). A float
+  that is zero in some blocks and not in others still splits them (``if p == 0`` takes another branch).
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -23,6 +31,8 @@ from torch import nn
 PLAIN = (bool, int, float, str, type(None))
 INDEX_NAMES = ("idx", "index", "layer_id", "block_id", "layer_number")
 DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+Stack = Tuple[str, List[str]]  # (container name, block names), relative to the module grouped
 
 
 def plain_attributes(module: nn.Module) -> Dict[str, Any]:
@@ -75,11 +85,39 @@ def kv_cache_config(ancestors: Sequence[nn.Module]) -> Optional[str]:
     return type(decoders[0]).__name__ if decoders else None
 
 
+def _float_marker(value: float) -> str:
+    """What of a float stays in the structure key: whether it is zero (a branch), or the value itself where
+    Dynamo always specializes it (nan, inf)."""
+    if not math.isfinite(value):
+        return repr(value)
+    return "float == 0" if value == 0 else "float != 0"
+
+
+def structure_key(block: nn.Module, ignored: Sequence[str] = ()) -> str:
+    """Blocks with equal keys can share one compiled graph: class, tensor layout and plain values (floats by
+    ``_float_marker`` only; ``ignored`` attributes left out)."""
+    attributes = tuple(
+        sorted(
+            (k, _float_marker(v) if type(v) is float else repr(v))
+            for k, v in plain_attributes(block).items()
+            if k not in ignored
+        )
+    )
+    return repr((type(block).__qualname__, tensor_layout(block), attributes))
+
+
 @dataclass
 class BlockGroups:
     """The blocks of one regional rule, grouped into sets that share one compiled graph."""
 
     keys: Dict[str, str] = field(default_factory=dict)  # block name -> structure key
+    # structure key -> float attributes (paths in the block) whose values differ within the group: graph inputs
+    shared_floats: Dict[str, List[str]] = field(default_factory=dict)
+    # structure key -> index attributes left out of the key (read only to address a KV cache)
+    indices: Dict[str, List[str]] = field(default_factory=dict)
+    # module (qualified name in the model) whose training forwards should build no KV cache -> the decoder class
+    # whose config builds one
+    cache_builders: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
 
     @property
@@ -89,53 +127,133 @@ class BlockGroups:
             groups.setdefault(key, []).append(name)
         return groups
 
+    @property
+    def reuse(self) -> float:
+        """Blocks per compiled graph."""
+        return len(self.keys) / max(len(self.groups), 1)
 
-def structure_key(block: nn.Module, ignored: Sequence[str]) -> str:
-    attributes = tuple(sorted((k, repr(v)) for k, v in plain_attributes(block).items() if k not in ignored))
-    return repr((type(block).__qualname__, tensor_layout(block), attributes))
 
-
-def group_blocks(root: nn.Module, block_names: Sequence[str]) -> BlockGroups:
-    """Group ``block_names`` (blocks under ``root``, by qualified name) by ``structure_key``."""
+def group_blocks(
+    root: nn.Module,
+    stacks: Sequence[Stack],
+    notes: bool = True,
+    prefix: str = "",
+    above: Sequence[Tuple[str, nn.Module]] = (),
+) -> BlockGroups:
+    """Group the blocks of ``stacks`` (under ``root``, by qualified name) by ``structure_key``; with ``notes``,
+    say what shares a graph and what splits one. ``root`` is named ``prefix`` in the model, under the modules
+    ``above`` (``(name, module)``, outermost first), which may hold the decoder config that builds a KV cache."""
     result = BlockGroups()
     by_class: Dict[type, List[str]] = {}
-    for name in block_names:
-        by_class.setdefault(type(root.get_submodule(name)), []).append(name)
+    index_of: Dict[str, List[str]] = {}  # block -> its stack's index attributes
+    for _, names in stacks:
+        classes: Dict[type, List[str]] = {}
+        for name in names:
+            classes.setdefault(type(root.get_submodule(name)), []).append(name)
+        for cls, same in classes.items():
+            indices = index_attributes([root.get_submodule(name) for name in same])
+            index_of.update({name: indices for name in same})
+            by_class.setdefault(cls, []).extend(same)
     for cls, names in by_class.items():
-        blocks = [root.get_submodule(name) for name in names]
-        indices = index_attributes(blocks)
-        cache_owner = kv_cache_config(_ancestors(root, names[0]))
-        ignored = [] if cache_owner else indices
-        for name, block in zip(names, blocks):
-            result.keys[name] = structure_key(block, ignored)
-        if indices and cache_owner:
-            result.notes.append(
-                f"{cls.__name__} blocks read their index ({', '.join(indices)}) while {cache_owner}'s config has "
-                "use_cache=True (a KV cache is built in training too): each block gets a graph of its own. "
-                "Set model.config.use_cache = False (or pass use_cache=False) to share one graph"
-            )
-        variants = len({result.keys[name] for name in names})
-        difference = _difference(blocks, indices)  # an index that splits them was named above
-        if variants > 1 and difference:
-            result.notes.append(
-                f"{len(names)} {cls.__name__} blocks differ in structure ({difference}): "
-                f"{variants} compiled entries, one per distinct structure"
-            )
+        blocks = {name: root.get_submodule(name) for name in names}
+        for name, block in blocks.items():
+            key = structure_key(block, index_of[name])
+            result.keys[name] = key
+            result.indices.setdefault(key, index_of[name])
+        for key, members in _members(result.keys, names).items():
+            floats = _differing_floats([blocks[name] for name in members])
+            if floats:
+                result.shared_floats[key] = floats
+        builders = {}
+        for name in names:
+            builder = cache_builder(root, name, prefix, above) if index_of[name] else None
+            if builder is not None:
+                builders[builder[0]] = builder[1]
+        result.cache_builders.update(builders)
+        if notes:
+            result.notes += _notes(cls, names, blocks, result, index_of, builders, prefix)
     return result
 
 
-def _ancestors(root: nn.Module, name: str) -> List[nn.Module]:
-    parts = name.split(".")
-    return [root] + [root.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+def _members(keys: Dict[str, str], names: Sequence[str]) -> Dict[str, List[str]]:
+    members: Dict[str, List[str]] = {}
+    for name in names:
+        members.setdefault(keys[name], []).append(name)
+    return members
+
+
+def _differing_floats(blocks: Sequence[nn.Module]) -> List[str]:
+    per_block = [plain_attributes(block) for block in blocks]
+    return sorted(
+        path
+        for path, value in per_block[0].items()
+        if type(value) is float and len({repr(attrs[path]) for attrs in per_block}) > 1
+    )
+
+
+def cache_builder(
+    root: nn.Module, block: str, prefix: str = "", above: Sequence[Tuple[str, nn.Module]] = ()
+) -> Optional[Tuple[str, str]]:
+    """(the module above ``block`` that decides ``use_cache`` for its forward, by qualified name; the decoder class
+    whose config builds a KV cache) when the blocks run under a cache-building decoder config, else None."""
+    parts = block.split(".")
+    inside = [".".join(parts[:i]) for i in range(len(parts))]
+    chain = [*above, *((".".join(p for p in (prefix, name) if p), root.get_submodule(name)) for name in inside)]
+    decoder = kv_cache_config([module for _, module in chain])
+    if decoder is None:
+        return None
+    for name, module in reversed(chain):
+        if hasattr(getattr(module, "config", None), "use_cache") and _takes(module, "use_cache"):
+            return name, decoder
+    return None
+
+
+def _takes(module: nn.Module, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _notes(cls, names, blocks, groups: BlockGroups, index_of, builders, prefix: str) -> List[str]:
+    notes = []
+    keys = {groups.keys[name] for name in names}
+    indices = sorted({path for name in names for path in index_of[name]})
+    if indices and builders:
+        decoders = ", ".join(sorted(set(builders.values())))
+        modules = ", ".join(module or "<root>" for module in builders)
+        notes.append(
+            f"{cls.__name__} blocks read their index ({', '.join(indices)}) only to address a KV cache, which "
+            f"{decoders}'s config (use_cache=True) builds in training too: the training forwards of {modules} run "
+            "without one (use_cache=False where the call does not ask for a cache), so the blocks share one graph; "
+            "calls that pass a cache (evaluation, generation) run a graph per block"
+        )
+    for key in keys & set(groups.shared_floats):
+        count = sum(groups.keys[name] == key for name in names)
+        notes.append(
+            f"{count} {cls.__name__} blocks differ only in the floats {', '.join(groups.shared_floats[key])}: one "
+            "graph, each block's values passed to it as inputs (symbolic floats)"
+        )
+    difference = _difference([blocks[name] for name in names], indices)
+    if len(keys) > 1 and difference:
+        notes.append(
+            f"{len(names)} {cls.__name__} blocks differ in structure ({difference}): "
+            f"{len(keys)} compiled entries, one per distinct structure"
+        )
+    return notes
 
 
 def _difference(blocks: Sequence[nn.Module], ignored: Sequence[str]) -> str:
-    """A short account of what differs between blocks of one class."""
+    """A short account of what splits blocks of one class (floats that differ but stay shared are left out)."""
     layouts = {tensor_layout(block) for block in blocks}
     reasons = ["parameter or submodule layout"] if len(layouts) > 1 else []
     per_block = [plain_attributes(block) for block in blocks]
-    paths = sorted({path for attrs in per_block for path in attrs} - set(ignored))
-    differing = [path for path in paths if len({repr(attrs.get(path)) for attrs in per_block}) > 1]
+    paths = sorted(set.intersection(*(set(attrs) for attrs in per_block)) - set(ignored))  # held by every block
+
+    def shown(value: Any) -> str:
+        return _float_marker(value) if type(value) is float else repr(value)
+
+    differing = [path for path in paths if len({shown(attrs.get(path)) for attrs in per_block}) > 1]
     if differing:
         reasons.append("values " + ", ".join(differing[:4]) + (" ..." if len(differing) > 4 else ""))
     return "; ".join(reasons)

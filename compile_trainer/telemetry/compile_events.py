@@ -164,6 +164,9 @@ def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List
         else:
             parents = sorted({name.rsplit(".", 1)[0] if "." in name else "" for name in names})
             labels[entry] = ("+".join(p or "<root>" for p in parents), names)
+    for item in applied.compiled if applied is not None else []:
+        if item.cache_entry is not None:  # a block's own entry for calls that pass a KV cache
+            labels[item.cache_entry.__name__] = (f"{item.region.name} with a KV cache", [item.region.name])
     return labels
 
 
@@ -346,6 +349,8 @@ class CompileTelemetry:
             self._failure(entry, compile_id, attempt, metric, self.phase, self.step)
 
     def _label(self, entry: Optional[str]) -> str:
+        if entry is not None and entry not in self._labels:  # made after the plan: a block's own (block_values)
+            self._labels = region_labels(self.applied)
         if entry is not None and entry in self._labels:
             return self._labels[entry][0]
         if entry is not None:

@@ -52,8 +52,9 @@ def recompile_fix(guard: str, shared_by: int = 1) -> str:
     text = guard.lower()
     if "layer_idx" in text or "layer_index" in text:
         return (
-            "the blocks read their own index: a Hugging Face decoder does while it builds a KV cache, also in "
-            "training; set model.config.use_cache = False (or pass use_cache=False) so they share one graph"
+            "the blocks read their own index: a Hugging Face decoder does where a KV cache reaches them through the "
+            "shared entry (a training call passing use_cache=True or a cache); pass use_cache=False there (or set "
+            "model.config.use_cache = False) so they share one graph"
         )
     if MODULE_GUARD.search(guard):
         if shared_by > 1:
