@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "BENCHMARKS.md")]
 MARKER = re.compile(r"<!--\s*illustration:\s*(?P<reason>.*?)\s*-->")
 FENCE = re.compile(r"^```(?P<lang>\S*)\s*$")
+LIST_ITEM = re.compile(r"^([-*+]|\d+\.) ")
 POLICY_FIELDS = {f.name for f in fields(CompilePolicy)}
 CLI_CONFIG_KEYS = {"trainer", "model", "data", "seed_everything", "optimizer", "lr_scheduler", "ckpt_path"}
 TINY_GPT = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
@@ -72,10 +73,14 @@ class Block:
 
 def read_blocks(page: Path) -> List[Block]:
     lines = page.read_text().splitlines()
-    blocks, index = [], 0
+    blocks, index, paragraph = [], 0, ""  # paragraph: the last line at column 0 (is it a list item?)
     while index < len(lines):
         line = lines[index]
         assert not re.match(r"^\s+```", line), f"{page.name}:{index + 1}: an indented fence; start fences at column 0"
+        after_blank = index > 0 and not lines[index - 1].strip()
+        indented_code = line.startswith("    ") and after_blank and not LIST_ITEM.match(paragraph)
+        assert not indented_code, f"{page.name}:{index + 1}: an indented code block; use a fence, which this test runs"
+        paragraph = line if line.strip() and not line.startswith(" ") else paragraph
         opening = FENCE.match(line)
         if not opening:
             index += 1
