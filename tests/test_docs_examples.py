@@ -253,8 +253,11 @@ class TrainConfigs:
         cfg = compose("config", overrides=overrides, return_hydra_config=True)
         cfg.hydra.runtime.output_dir = "outputs/doc-example"  # what Hydra sets when a job starts
         HydraConfig.instance().set_config(cfg)
-        for key in set(cfg) - {"hydra"}:  # every interpolation of the job's config resolves
-            OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+        try:
+            for key in set(cfg) - {"hydra"}:  # every interpolation of the job's config resolves
+                OmegaConf.to_container(cfg[key], resolve=True) if OmegaConf.is_config(cfg[key]) else cfg[key]
+        finally:
+            HydraConfig.instance().cfg = None  # no job runs: nothing after this test may see one
         build_callback(cfg)
         to_sweep_settings(cfg.sweep)
         trainer_arguments = set(inspect.signature(pl.Trainer).parameters)
