@@ -95,7 +95,7 @@ def test_telemetry_off_registers_nothing(tmp_path):
         ({"items_fn": "tests.telemetry_models:WIDTH"}, "is a int, not a function"),
         ({"items_per_sample": 0}, "must be positive"),
         ({"items_per_sample": 8, "items_fn": "tests.telemetry_models:items_in_batch"}, "not both"),
-        ({"peak_tflop": 900}, r"unknown telemetry setting\(s\) \['peak_tflop'\]. Valid settings: .*peak_tflops"),
+        ({"peak_tflop": 900}, r"'telemetry.peak_tflop' \(did you mean 'peak_tflops'\?\); valid keys of telemetry: .*"),
     ],
 )
 def test_bad_telemetry_settings_fail_when_the_callback_is_made(spec, message):

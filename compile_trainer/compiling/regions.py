@@ -83,6 +83,8 @@ class AppliedPolicy:
     process_settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     # Why a background policy compiles in the foreground instead (compile_in_foreground), or None.
     foreground_reason: Optional[str] = None
+    # Who applied it (apply_policy, or a CompileCallback that called it), named when another policy meets it.
+    applied_by: str = "apply_policy"
 
     @property
     def uses_cuda_graphs(self) -> bool:
