@@ -2,16 +2,21 @@
 
 The rest of the package reaches torch's internals only through this module. Each entry says what it
 reaches, the versions it was checked on ("checked": read in the sources and run; CPU unless said), and the
-upstream issue or PR where one exists. ``ENTRIES`` lists a probe per entry: ``tests/test_compat.py`` runs
-every probe on the installed torch, so a torch upgrade that moves one of them fails there first, by name.
+upstream issue or PR where one exists. ``ENTRIES`` lists a probe per entry, which uses it as the library does and
+asserts what the library relies on (names, fields, texts, effects): ``tests/test_compat.py`` runs every probe on
+the installed torch, so a torch upgrade that moves or changes one of them fails there first, by name.
 
 Supported: torch >= 2.9 (checked on 2.9.1, 2.13.0 on the CPU; 2.11.0 on an H100).
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
+import logging
 import os
 import re
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -222,6 +227,19 @@ def mark_static_address(tensor: torch.Tensor) -> None:
     torch._dynamo.mark_static_address(tensor, guard=False)
 
 
+# The marks are attributes of the tensor object, named ``_dynamo_*`` (``_dynamo_dynamic_indices``,
+# ``_dynamo_static_input_type``...; checked 2.9.1-2.13): a copy of a tensor keeps them only if they are copied.
+DYNAMO_MARK_PREFIX = "_dynamo"
+
+
+def copy_dynamo_marks(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``target`` with each of Dynamo's shape marks that ``source`` carries (a shallow copy of each)."""
+    for name, mark in vars(source).items():
+        if name.startswith(DYNAMO_MARK_PREFIX):
+            setattr(target, name, copy.copy(mark))
+    return target
+
+
 # -- Modules: compiling in place ---------------------------------------------------------------------------
 # nn.Module.compile() sets module._compiled_call_impl, which Module.__call__ runs instead of _call_impl;
 # state_dict keys stay as they are (checked 2.9.1-2.13).
@@ -253,6 +271,12 @@ def user_compiled(module: nn.Module) -> Optional[str]:
 def has_nested_compile_region() -> bool:
     """``torch.compiler.nested_compile_region`` (2.8+)."""
     return hasattr(torch.compiler, "nested_compile_region")
+
+
+def is_nested_compile_region(function: Callable[..., Any]) -> bool:
+    """Whether ``nested_compile_region`` marked ``function`` already (it sets ``__marked_compile_region_fn__``;
+    checked 2.9.1-2.13)."""
+    return hasattr(function, "__marked_compile_region_fn__")
 
 
 # -- Background compile ------------------------------------------------------------------------------------
@@ -301,15 +325,6 @@ def compile_session_owner() -> Optional[Tuple[Any, str]]:
     """(owner, name) of the context manager that sets the process-wide compiling flag, or None on a torch
     without one."""
     return (torch.compiler, COMPILE_SESSION) if hasattr(torch.compiler, COMPILE_SESSION) else None
-
-
-def _probe_compile_session() -> None:
-    owner = compile_session_owner()
-    if owner is None:
-        return
-    with getattr(*owner)():
-        assert torch.compiler.is_compiling(), "is_compiling() no longer reads the compile session's flag"
-    assert not torch.compiler.is_compiling()
 
 
 # -- Optimizers --------------------------------------------------------------------------------------------
@@ -493,31 +508,316 @@ def guard_code_parts(guard: Any) -> List[str]:
 
 
 # -- The probes --------------------------------------------------------------------------------------------
+# Each probe uses its entry as the library does and asserts what the library relies on (names, fields, texts,
+# effects); it returns nothing. Compiles use the eager backend, each on a fresh code object.
 
 
 @dataclass(frozen=True)
 class Entry:
     name: str
-    probe: Callable[[], Any]  # raises when the entry is gone or changed shape
+    probe: Callable[[], None]  # raises when the entry is gone or changed shape; returns None
 
 
-def _probe_optimizer() -> None:
-    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    pre, post = optimizer_step_hooks(optimizer)
-    assert isinstance(pre, list) and isinstance(post, list)
-    mark_optimizer_stepped(optimizer)
-    set_step_handles_amp_scaling(optimizer, False)
-    assert fused_unsupported_reason(optimizer) is None or isinstance(fused_unsupported_reason(optimizer), str)
+_fresh_names = itertools.count()
+
+
+def _fresh(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``function`` with a code object of its own: Dynamo compiles it anew, whatever ran before."""
+    name = f"compat_probe_{next(_fresh_names)}_{function.__name__}"
+    code = function.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+
+
+class _CountingBackend:
+    """A backend that counts the graphs Dynamo hands it and runs them as they are."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph: Any, example_inputs: Any) -> Callable[..., Any]:
+        self.graphs += 1
+        return graph.forward
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _double_with_break(x: torch.Tensor) -> torch.Tensor:
+    x = x * 2
+    torch._dynamo.graph_break()
+    return x + 1
+
+
+_probe_log = logging.getLogger("compile_trainer.compat.probe")
+
+
+def _double_and_log(x: torch.Tensor) -> torch.Tensor:
+    _probe_log.warning("traced")
+    return x * 2
+
+
+def _probe_callback_handler() -> None:
+    handler = dynamo_callback_handler()
+    seen: List[Tuple[str, str, str]] = []
+
+    def on_start(args: Any) -> None:
+        seen.append(("start", args.callback_trigger.name, str(args.compile_id)))
+
+    def on_end(args: Any) -> None:
+        seen.append(("end", args.callback_trigger.name, str(args.compile_id)))
+
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+    try:
+        assert on_start in handler.start_callbacks and on_end in handler.end_callbacks
+        torch.compile(_fresh(_double), backend="eager")(torch.ones(2))
+    finally:
+        handler.remove_start_callback(on_start)
+        handler.remove_end_callback(on_end)
+    assert on_start not in handler.start_callbacks and on_end not in handler.end_callbacks
+    assert [event[:2] for event in seen] == [("start", "DYNAMO"), ("end", "DYNAMO")], seen
+    assert seen[0][2] == seen[1][2] and re.fullmatch(r"\d+/\d+", seen[0][2]), seen
+
+
+def _probe_compilation_metrics() -> None:
+    """The fields the telemetry reads: the frame (name, file, line), the compile id, a recompile's reason."""
+    function = _fresh(_double)
+    compiled = torch.compile(function, backend="eager", dynamic=False)
+    compiled(torch.ones(2))
+    first = list(compilation_metrics())[-1]
+    assert first.co_name == function.__name__ and first.co_filename == __file__, first
+    assert first.co_firstlineno == _double.__code__.co_firstlineno and re.fullmatch(r"\d+/0", str(first.compile_id))
+    compiled(torch.ones(3))
+    recompile = list(compilation_metrics())[-1]
+    assert str(recompile.compile_id) == str(first.compile_id).replace("/0", "/1"), recompile.compile_id
+    assert isinstance(recompile.recompile_reason, str) and "size mismatch" in recompile.recompile_reason
+
+
+def _probe_grad_mode_guard() -> None:
+    """A recompile for another grad mode is told apart by its reason's text (validation under no_grad)."""
+    compiled = torch.compile(_fresh(_double), backend="eager")
+    compiled(torch.ones(2, requires_grad=True))
+    with torch.no_grad():
+        compiled(torch.ones(2, requires_grad=True))
+    reason = list(compilation_metrics())[-1].recompile_reason
+    assert GRAD_MODE_GUARD in reason, reason
+
+
+def _probe_recompile_limit() -> None:
+    """The limit is Dynamo's setting, and a frame past it is reported with a text ``is_recompile_limit`` knows."""
+    assert isinstance(recompile_limit(), int) and recompile_limit() >= 1
+    previous = set_recompile_limit(1)
+    try:
+        assert recompile_limit() == 1 == torch._dynamo.config.recompile_limit
+        backend = _CountingBackend()
+        compiled = torch.compile(_fresh(_double), backend=backend, dynamic=False)
+        compiled(torch.ones(2))
+        compiled(torch.ones(3))  # over the limit: runs eagerly, not compiled
+        assert backend.graphs == 1
+        failed = list(compilation_metrics())[-1]
+        assert failed.fail_type and is_recompile_limit(str(failed.fail_reason)), failed.fail_reason
+    finally:
+        assert set_recompile_limit(previous) == 1
+    assert recompile_limit() == previous
+
+
+def _probe_fail_on_recompile() -> None:
+    compiled = torch.compile(_fresh(_double), backend="eager", dynamic=False)
+    compiled(torch.ones(2))
+    try:
+        with torch.compiler.set_stance("fail_on_recompile"):
+            compiled(torch.ones(3))
+    except RuntimeError as error:
+        assert is_fail_on_recompile(error), str(error)
+    else:
+        raise AssertionError("set_stance('fail_on_recompile') let a recompile through")
+
+
+def _probe_graph_breaks() -> None:
+    """A graph break adds a reason with its user stack, and each graph counts in ``unique_graphs``."""
+    reasons, graphs = len(graph_break_reasons()), unique_graphs()
+    torch.compile(_fresh(_double_with_break), backend="eager")(torch.ones(2))
+    added = graph_break_reasons()[reasons:]
+    assert added and isinstance(added[-1].reason, str) and isinstance(list(added[-1].user_stack), list), added
+    assert unique_graphs() - graphs == 2, "one graph before the break, one after"
+
+
+def _probe_cudagraph_skips() -> None:
+    """A counter that never moves on the CPU: its name must be the one Inductor increments."""
+    import inspect
+
+    from torch._inductor import cudagraph_utils
+
+    assert isinstance(cudagraph_skips(), int)
+    assert 'counters["inductor"]["cudagraph_skips"]' in inspect.getsource(cudagraph_utils)
+
+
+def _probe_compiler_collectives() -> None:
+    previous = set_compiler_collectives(True)
+    try:
+        assert compiler_collectives() is True and torch._dynamo.config.enable_compiler_collectives is True
+    finally:
+        assert set_compiler_collectives(previous) is True
+    assert compiler_collectives() is previous
+
+
+def _probe_ignored_logger_methods() -> None:
+    """A logger method in the set is dropped from traced code (no graph break), and Dynamo can still log its config."""
+    previous = set_ignored_logger_methods(ignored_logger_methods() | {logging.Logger.warning})
+    try:
+        assert logging.Logger.warning in ignored_logger_methods()
+        assert dynamo_config_loggable(), "the ignore set breaks every compile's metrics"
+        compiled = torch.compile(_fresh(_double_and_log), backend="eager", fullgraph=True)
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        set_ignored_logger_methods(previous)
+    assert ignored_logger_methods() == previous
+
+
+def _probe_backends() -> None:
+    assert {"inductor", "eager", "aot_eager"} <= set(list_backends())
+    backend = lookup_backend("eager")
+    assert torch.equal(torch.compile(_fresh(_double), backend=backend)(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def _probe_inductor_backend() -> None:
+    """The object torch.compile builds for Inductor: the mode's and the given options applied, and equal settings
+    equal (Dynamo reuses a cache entry only under an equal backend). Not compiled: 10-40 s on a CPU."""
+    backend = inductor_backend("max-autotune-no-cudagraphs", {"epilogue_fusion": False}, None)
+    assert callable(backend) and backend.config.get("max_autotune") is True, backend.config
+    assert backend.config.get("epilogue_fusion") is False
+    assert backend == inductor_backend("max-autotune-no-cudagraphs", {"epilogue_fusion": False}, None)
+    assert inductor_mode_options("max-autotune").get("max_autotune") is True
+    assert inductor_mode_options("reduce-overhead").get("triton.cudagraphs") is True
+
+
+def _probe_inductor_options() -> None:
+    """Every option returned is one Inductor's config takes (a renamed one fails when the patch is entered)."""
+    options = inductor_options_without_size_guards()
+    assert isinstance(options, dict)
+    with torch._inductor.config.patch(options):
+        for name, value in options.items():
+            owner = torch._inductor.config
+            for part in name.split(".")[:-1]:
+                owner = getattr(owner, part)
+            assert getattr(owner, name.split(".")[-1]) == value, name
+
+
+def _probe_mark_dynamic() -> None:
+    """A marked dimension compiles one graph for every size in range; the marks travel with a tensor's copy."""
+    for mark in (lambda t: mark_dynamic(t, 1, min=2, max=8), lambda t: maybe_mark_dynamic(t, [1])):
+        backend = _CountingBackend()
+        compiled = torch.compile(_fresh(_double), backend=backend)
+        for length in (3, 4, 5):
+            marked = torch.zeros(2, length)
+            mark(marked)
+            compiled(copy_dynamo_marks(marked, torch.zeros(2, length)))
+        assert backend.graphs == 1, f"{backend.graphs} graphs for 3 lengths of a dynamic dimension"
+
+
+def _probe_mark_static_address() -> None:
+    tensor = torch.zeros(2)
+    mark_static_address(tensor)
+    assert getattr(tensor, "_dynamo_static_input_type", None) == "unguarded"
+    assert getattr(copy_dynamo_marks(tensor, torch.zeros(2)), "_dynamo_static_input_type", None) == "unguarded"
 
 
 def _probe_compiled_call() -> None:
     module = nn.Linear(2, 2)
     install_compiled_call(module, lambda x: x * 0)
+    assert compiled_call(module) is not None
     assert torch.equal(module(torch.ones(1, 2)), torch.zeros(1, 2)), "Module.__call__ ignores _compiled_call_impl"
     assert user_compiled(module) == "module.compile()"
     assert call_uncompiled(module, torch.ones(1, 2)).shape == (1, 2)
     install_compiled_call(module, None)
+    assert compiled_call(module) is None
     assert user_compiled(module) is None and user_compiled(torch.compile(module)) == "torch.compile(module)"
+
+
+def _probe_fx_patcher() -> None:
+    """FX's tracer patches ``nn.Module.__call__`` through ``_Patcher.patch_method(cls, name, new_fn, ...)``."""
+    patcher = fx_patcher()
+    original = patcher.patch_method
+    patched = []
+
+    def recording(self: Any, cls: type, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
+        patched.append((cls, name))
+        return original(self, cls, name, new_fn, deduplicate)
+
+    patcher.patch_method = recording
+    try:
+        torch.fx.symbolic_trace(nn.Linear(2, 2))
+    finally:
+        patcher.patch_method = original
+    assert (nn.Module, "__call__") in patched, patched
+
+
+def _probe_compile_session() -> None:
+    owner = compile_session_owner()
+    if owner is None:
+        return
+    with getattr(*owner)():
+        assert torch.compiler.is_compiling(), "is_compiling() no longer reads the compile session's flag"
+    assert not torch.compiler.is_compiling()
+
+
+def _probe_cudagraph_trees() -> None:
+    import_cudagraph_trees()
+    import sys
+
+    assert "torch._inductor.cudagraph_trees" in sys.modules
+
+
+def _probe_optimizer() -> None:
+    """The hooks a replacement step runs, and the attributes LR schedulers and GradScaler read."""
+    import inspect
+
+    from torch.amp import grad_scaler
+    from torch.optim import lr_scheduler
+    from torch.optim import optimizer as optim_module
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    hooks = [
+        optimizer.register_step_pre_hook(lambda *args: None),
+        optimizer.register_step_post_hook(lambda *args: None),
+        optim_module.register_optimizer_step_pre_hook(lambda *args: None),
+        optim_module.register_optimizer_step_post_hook(lambda *args: None),
+    ]
+    try:
+        pre, post = optimizer_step_hooks(optimizer)
+        assert len(pre) == len(post) == 2, (pre, post)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    assert optimizer_step_hooks(optimizer) == ([], [])
+
+    def step(closure: Any = None) -> None:
+        mark_optimizer_stepped(optimizer)
+
+    setattr(step, LR_SCHEDULER_WRAPPED, True)
+    optimizer.step = step
+    scheduler = lr_scheduler.StepLR(optimizer, step_size=1)
+    assert optimizer.step is step, "LRScheduler wrapped a step marked as wrapped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Detected call of lr_scheduler.step() before optimizer.step()"
+        optimizer.step()
+        scheduler.step()
+    set_step_handles_amp_scaling(optimizer, False)
+    assert '"_step_supports_amp_scaling"' in inspect.getsource(grad_scaler)
+    assert fused_unsupported_reason(optimizer) is None
+    half = torch.optim.SGD([nn.Parameter(torch.zeros(1, dtype=torch.float64))], lr=0.1)
+    assert fused_unsupported_reason(half) is None or isinstance(fused_unsupported_reason(half), str)
+
+
+def _probe_inductor_cache_dir() -> None:
+    """Inductor's cache directory follows ``TORCHINDUCTOR_CACHE_DIR``, and ``fresh_cache`` moves it for a while."""
+    before = inductor_cache_dir()
+    assert os.path.isdir(before) and os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+    with fresh_inductor_cache():
+        inside = inductor_cache_dir()
+        assert inside != before and os.path.isdir(inside)
+    assert inductor_cache_dir() == before
 
 
 def _probe_cache_counters() -> None:
@@ -530,7 +830,28 @@ def _probe_cache_counters() -> None:
     sources = inspect.getsource(codecache) + inspect.getsource(autograd_cache)
     for group, hit, miss in CACHE_COUNTERS.values():
         assert f'counters["{group}"]["{hit}"]' in sources and f'counters["{group}"]["{miss}"]' in sources, (hit, miss)
-    assert set(cache_counters()) == set(CACHE_COUNTERS)
+    counts = cache_counters()
+    assert set(counts) == set(CACHE_COUNTERS) and all(isinstance(n, int) for pair in counts.values() for n in pair)
+
+
+def _probe_eager_backward_lowering() -> None:
+    import torch._functorch.config as functorch_config
+
+    assert eager_backward_lowering_problem() is None
+    before = getattr(functorch_config, EAGER_BACKWARD_FLAG)
+    with eager_backward_lowering():
+        assert getattr(functorch_config, EAGER_BACKWARD_FLAG) is True
+    assert getattr(functorch_config, EAGER_BACKWARD_FLAG) == before
+
+
+def _probe_nested_compile_region() -> None:
+    assert has_nested_compile_region()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    assert not is_nested_compile_region(forward)
+    assert is_nested_compile_region(torch.compiler.nested_compile_region(forward))
 
 
 def _probe_dynamic_floats() -> None:
@@ -559,46 +880,42 @@ def _probe_dynamic_floats() -> None:
 
 
 def _probe_aot_compile() -> None:
-    def double(x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    compiled = aot_compile(double, {"backend": "eager"}, (torch.ones(2),), {})
+    assert aot_compile_problem() is None
+    compiled = aot_compile(_fresh(_double), {"backend": "eager"}, (torch.ones(2),), {})
     assert compiled.guard_check(torch.ones(2)) and not compiled.guard_check(torch.ones(3))
     assert torch.equal(compiled.fn(torch.ones(2)), torch.full((2,), 2.0))
-    assert isinstance(aot_changed_sources(compiled, lambda name: False), list)
+    assert aot_changed_sources(compiled, lambda name: False) == []
+    loaded = load_aot_compiled(serialize_aot_compiled(compiled), f_globals=globals())
+    assert loaded.guard_check(torch.ones(2)) and torch.equal(loaded.fn(torch.ones(2)), torch.full((2,), 2.0))
 
 
 ENTRIES = [
-    Entry("dynamo_callback_handler", lambda: dynamo_callback_handler().register_start_callback),
-    Entry("compilation_metrics", lambda: list(compilation_metrics())),
-    Entry("graph_break_reasons", lambda: list(graph_break_reasons())),
-    Entry("unique_graphs", unique_graphs),
-    Entry("cudagraph_skips", cudagraph_skips),
-    Entry("recompile_limit", lambda: recompile_limit() >= 1),
-    Entry("set_recompile_limit", lambda: set_recompile_limit(set_recompile_limit(3)) == 3),
-    Entry("set_compiler_collectives", lambda: set_compiler_collectives(set_compiler_collectives(True)) is not None),
-    Entry("set_ignored_logger_methods", lambda: set_ignored_logger_methods(set_ignored_logger_methods(set()))),
-    Entry("dynamo_config_loggable", dynamo_config_loggable),
-    Entry("list_backends", lambda: {"inductor", "eager", "aot_eager"} <= set(list_backends())),
-    Entry("lookup_backend", lambda: lookup_backend("eager")),
-    Entry("inductor_backend", lambda: inductor_backend(None, None, None)),
-    Entry("inductor_mode_options", lambda: inductor_mode_options("max-autotune")),
-    Entry("inductor_options_without_size_guards", lambda: isinstance(inductor_options_without_size_guards(), dict)),
-    Entry("mark_dynamic", lambda: mark_dynamic(torch.zeros(2, 3), 1, min=2, max=8)),
-    Entry("maybe_mark_dynamic", lambda: maybe_mark_dynamic(torch.zeros(2, 3), [1])),
-    Entry("mark_static_address", lambda: mark_static_address(torch.zeros(2))),
+    Entry("dynamo_callback_handler", _probe_callback_handler),
+    Entry("compilation_metrics", _probe_compilation_metrics),
+    Entry("GRAD_MODE_GUARD", _probe_grad_mode_guard),
+    Entry("recompile_limit", _probe_recompile_limit),
+    Entry("is_fail_on_recompile", _probe_fail_on_recompile),
+    Entry("graph_break_reasons", _probe_graph_breaks),
+    Entry("cudagraph_skips", _probe_cudagraph_skips),
+    Entry("set_compiler_collectives", _probe_compiler_collectives),
+    Entry("set_ignored_logger_methods", _probe_ignored_logger_methods),
+    Entry("backends", _probe_backends),
+    Entry("inductor_backend", _probe_inductor_backend),
+    Entry("inductor_options_without_size_guards", _probe_inductor_options),
+    Entry("mark_dynamic", _probe_mark_dynamic),
+    Entry("mark_static_address", _probe_mark_static_address),
     Entry("compiled_call", _probe_compiled_call),
-    Entry("fx_patcher", lambda: fx_patcher().patch_method),
+    Entry("fx_patcher", _probe_fx_patcher),
     Entry("compile_session_owner", _probe_compile_session),
+    Entry("import_cudagraph_trees", _probe_cudagraph_trees),
     Entry("optimizer internals", _probe_optimizer),
-    Entry("fresh_inductor_cache", fresh_inductor_cache),
-    Entry("inductor_cache_dir", lambda: os.path.isdir(inductor_cache_dir())),
+    Entry("inductor_cache_dir", _probe_inductor_cache_dir),
     Entry("cache_counters", _probe_cache_counters),
     Entry("prime_dynamic_floats", _probe_dynamic_floats),
 ]
 # Present from the version named: probed only there.
 VERSIONED_ENTRIES = [
-    (Entry("eager_backward_lowering", eager_backward_lowering), (2, 11)),
-    (Entry("nested_compile_region", lambda: torch.compiler.nested_compile_region), (2, 8)),
+    (Entry("eager_backward_lowering", _probe_eager_backward_lowering), (2, 11)),
+    (Entry("nested_compile_region", _probe_nested_compile_region), (2, 8)),
     (Entry("aot_compile", _probe_aot_compile), AOT_COMPILE_VERSION),
 ]

@@ -1,8 +1,13 @@
-"""One training run of a tiny GPT under a compile policy, on 1 process or under Lightning's DDP on N CPU processes
+"""Training runs of a tiny GPT under a compile policy, on 1 process or under Lightning's DDP on N CPU processes
 (gloo). Writes rank 0's results as JSON: per-step global losses, the final weights, checkpoint keys, the summary.
 
     python tests/ddp_run.py OUT.json --policy regional --devices 2 --batch 2 [--backend eager] [--optimizer true]
         [--clip 0.05]
+    python tests/ddp_run.py --runs RUNS.json
+
+``--runs``: a JSON list of such argument lists (the same ``--devices`` and ``--strategy`` in each), trained one
+after the other in the same processes, as a new process would train each (Dynamo reset, the policy removed): the
+start-up (imports, the process group) is paid once. Each run's output goes to ``OUT.json.log.rank<N>``.
 
 Every global batch holds samples of one length (lengths change between steps), and a rank's samples are its share
 of the global batch (Lightning's DistributedSampler, no shuffle): N ranks of ``batch`` equal 1 process of
@@ -10,8 +15,10 @@ of the global batch (Lightning's DistributedSampler, no shuffle): N ranks of ``b
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -117,7 +124,7 @@ class ShardedLM(RecordingLM):
         compile_and_shard(self, self.model, self.policy, self.device_mesh["data_parallel"])
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--policy", default="regional")
@@ -139,7 +146,45 @@ def main() -> None:
         "--compiled-from", help="background policies: per rank, the step from which the compiled regions run (>= 2); "
         "the thread is held inside its compile until then, while the steps run eagerly",
     )  # fmt: skip
-    args = parser.parse_args()
+    return parser
+
+
+@contextlib.contextmanager
+def output_to(path: str):
+    """This process's stdout and stderr (file descriptors 1 and 2: logging's handlers and C code's output too)
+    written to ``path`` for the duration."""
+    saved = []
+    with open(path, "w") as log:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+            saved.append(os.dup(stream.fileno()))
+            os.dup2(log.fileno(), stream.fileno())
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+def main() -> None:
+    if sys.argv[1:2] != ["--runs"]:
+        train(parser().parse_args())
+        return
+    runs = [parser().parse_args(argv) for argv in json.loads(Path(sys.argv[2]).read_text())]
+    assert len({(args.devices, args.strategy) for args in runs}) == 1, "one process group: the same ranks for all"
+    for args in runs:  # LOCAL_RANK: set on the ranks the first Trainer launches, then on rank 0 too
+        with output_to(f"{args.out}.log.rank{os.environ.get('LOCAL_RANK', '0')}"):
+            callback = train(args)
+        if callback.applied is not None:
+            callback.applied.remove()  # the process-wide settings it holds (recompile limit...) go with it
+        torch._dynamo.reset()  # the next run compiles as a new process would
+        torch._dynamo.utils.clear_compilation_metrics()
+
+
+def train(args: argparse.Namespace) -> CompileCallback:
     torch.set_num_threads(1)
     overrides = {"backend": args.backend, "optimizer": {"compile": args.optimizer, "auto_steps": args.auto_steps}}
     if args.policy in ("buckets",):
@@ -176,7 +221,7 @@ def main() -> None:
     choices = [dataclasses.asdict(step.choice) for step in callback.optimizer_steps if step.choice is not None]
     Path(f"{args.out}.optimizer_choices.rank{trainer.global_rank}").write_text(json.dumps(choices))
     if trainer.global_rank != 0:
-        return
+        return callback
     if checkpoint.is_dir():  # FSDP2: a distributed checkpoint (a shard per rank), gathered into one file here
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -198,6 +243,7 @@ def main() -> None:
         "grad_norms": [float(step.grad_norm) for step in callback.optimizer_steps],
     }
     Path(args.out).write_text(json.dumps(result, default=str))
+    return callback
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 A torch upgrade that moves or changes one of them fails here first, with the entry's name."""
 
 import ast
+import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -15,47 +17,110 @@ PACKAGE = Path(compat.__file__).resolve().parent
 
 @pytest.mark.parametrize("entry", compat.ENTRIES, ids=lambda entry: entry.name)
 def test_each_private_torch_api_works_on_this_torch(entry):
-    entry.probe()
+    assert entry.probe() is None, "a probe asserts what it needs; a value it returned would be ignored"
 
 
 @pytest.mark.parametrize("entry, version", compat.VERSIONED_ENTRIES, ids=lambda item: getattr(item, "name", ""))
 def test_versioned_entries_exist_from_their_version(entry, version):
     if compat.torch_version() < version:
         assert compat.needs_torch(entry.name, version) is not None
-        with pytest.raises((AttributeError, ImportError, RuntimeError)):
+        with pytest.raises((AttributeError, ImportError, RuntimeError, AssertionError)):
             entry.probe()
     else:
-        entry.probe()
+        assert entry.probe() is None
 
 
-def _private_torch_names(path: Path):
-    """``torch._x`` attribute chains and private-module imports in one source file."""
-    tree = ast.parse(path.read_text())
+# Not entries: the version helpers, and the feature checks their entries' probes call.
+NOT_PROBED = {"torch_version", "needs_torch", "Entry", "LoggerMethodName"}
+
+
+def test_every_function_of_compat_is_used_by_a_probe():
+    """A new door to torch's internals comes with a probe: each public name of compat appears in a probe's source."""
+    probes = [entry.probe for entry in compat.ENTRIES] + [entry.probe for entry, _ in compat.VERSIONED_ENTRIES]
+    sources = "\n".join(inspect.getsource(probe) for probe in probes)
+    public = [
+        name
+        for name, value in vars(compat).items()
+        if not name.startswith("_") and callable(value) and getattr(value, "__module__", None) == compat.__name__
+    ]
+    assert not [name for name in public if name not in NOT_PROBED and not re.search(rf"\b{name}\b", sources)]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_torch_uses(source: str):
+    """Private torch names a source reaches: ``torch._x`` attribute chains (also from a name bound to a torch module,
+    ``from torch import nn``), imports of private modules (``import torch._x as y``, ``from torch import _dynamo``,
+    ``from torch._x import y``), and ``getattr``/``hasattr``/``setattr``/``delattr`` of a private name on them."""
+    tree = ast.parse(source)
+    roots = {"torch"}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = node.value
-            while isinstance(base, ast.Attribute):
-                base = base.value
-            if isinstance(base, ast.Name) and base.id == "torch":
-                yield f"torch...{node.attr} (line {node.lineno})"
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
-            private = [part for part in node.module.split(".") if part.startswith("_")]
-            private += [alias.name for alias in node.names if alias.name.startswith("_")]
-            if private:
-                yield f"from {node.module} import ... (line {node.lineno})"
+        if isinstance(node, ast.Import):
+            roots |= {alias.asname or "torch" for alias in node.names if alias.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+            roots |= {alias.asname or alias.name for alias in node.names}
+
+    def rooted(expr) -> bool:
+        while isinstance(expr, ast.Attribute):
+            expr = expr.value
+        return isinstance(expr, ast.Name) and expr.id in roots
+
+    for node in ast.walk(tree):
+        where = f"(line {getattr(node, 'lineno', '?')})"
+        if isinstance(node, ast.Attribute) and _is_private(node.attr) and rooted(node.value):
+            yield f"{ast.unparse(node)} {where}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "torch" and any(_is_private(part) for part in parts):
+                    yield f"import {alias.name} {where}"
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+            names = [alias.name for alias in node.names]
+            if any(_is_private(part) for part in [*node.module.split("."), *names]):
+                yield f"from {node.module} import {', '.join(names)} {where}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2:
+            target, name = node.args[:2]
+            literal = isinstance(name, ast.Constant) and isinstance(name.value, str) and _is_private(name.value)
+            if node.func.id in ("getattr", "hasattr", "setattr", "delattr") and literal and rooted(target):
+                yield f"{ast.unparse(node)} {where}"
+
+
+@pytest.mark.parametrize(
+    "source, found",
+    [
+        ("import torch\ntorch._dynamo.reset()", True),
+        ("import torch._dynamo as dynamo", True),
+        ("import torch._inductor.config", True),
+        ("from torch import _dynamo", True),
+        ("from torch._dynamo.utils import counters", True),
+        ("import torch\ngetattr(torch, '_dynamo')", True),
+        ("import torch\nhasattr(torch._C, 'x')", True),
+        ("import torch\nsetattr(torch.compiler, '_flag', 1)", True),
+        ("import torch as t\nt._dynamo.reset()", True),
+        ("from torch import nn\nnn.modules.module._global_forward_hooks", True),
+        ("import torch\ntorch.compile(torch.nn.Linear(2, 2))", False),
+        ("import torch\ngetattr(torch, 'float16')", False),
+        ("from torch import nn\nnn.Module.__call__", False),
+        ("x = object()\nx._private", False),
+    ],
+)
+def test_the_private_api_guard_sees_every_way_to_reach_torch_internals(source, found):
+    assert bool(list(private_torch_uses(source))) is found
 
 
 def test_private_torch_apis_are_reached_only_through_compat():
+    # Allowed: the pytree helpers (torch.utils._pytree) and the `torch._foreach_*` ops, ATen operators that
+    # torch.optim itself calls; neither is compiler internals.
+    allowed = re.compile(r"from torch\.utils\._pytree import |torch\._foreach_\w+ ")
     offenders = {
         str(path.relative_to(PACKAGE)): names
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "compat.py" and (names := list(_private_torch_names(path)))
+        if path.name != "compat.py"
+        and (names := [n for n in private_torch_uses(path.read_text()) if not allowed.match(n)])
     }
-    # Allowed: the pytree helpers (torch.utils._pytree) and the `torch._foreach_*` ops, ATen operators that
-    # torch.optim itself calls; neither is compiler internals.
-    allowed = ("from torch.utils._pytree import ...", "torch..._foreach_")
-    offenders = {path: [n for n in names if not n.startswith(allowed)] for path, names in offenders.items()}
-    assert not {path: names for path, names in offenders.items() if names}
+    assert not offenders
 
 
 def test_the_recompile_limit_a_policy_sets_is_restored_when_it_is_removed(tiny_gpt):

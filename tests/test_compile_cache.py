@@ -143,8 +143,9 @@ def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, t
     assert warm["cache_cold_compile_s"] == pytest.approx(cold_compile_s, rel=0.05)
     # every region call served by its precompiled artifact: Dynamo traced nothing, the backend compiled nothing
     assert warm["cache_precompiled_hits"] > 0 and warm["cache_precompiled_misses"] == 0
-    assert warm["cache_fx_graph_misses"] == 0 and warm["compile_time_s"] < 0.1 * cold_compile_s
-    assert warm["cache_seconds_saved"] > 0
+    assert warm["cache_fx_graph_misses"] == 0 and warm["compiles"] == warm["unique_graphs"] == 0 < cold["compiles"]
+    loads = warm["cache_load_s"] + warm["cache_precompiled_load_s"]
+    assert warm["cache_seconds_saved"] == pytest.approx(cold_compile_s - warm["compile_time_s"] - loads)
     assert "cache: hit, bundle of " in warm["output"] and "call(s) served, 0 compiled" in warm["output"]
     assert warm["weights"] == cold["weights"]  # the bundle changed compile time, not results
     assert warm["cache_saves"] == 0 and "precompiling" not in warm["output"]  # nothing new: nothing rewritten
@@ -160,7 +161,7 @@ def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, t
     )
     assert layers["cache_fx_graph_misses"] == 0 and layers["cache_fx_graph_hits"] > 0
     assert all(hits > 0 and misses == 0 for hits, misses in layers["regions"].values())
-    assert layers["compile_time_s"] + layers["cache_load_s"] < 0.5 * cold_compile_s
+    assert layers["compiles"] == cold["compiles"] and layers["cache_aot_autograd_misses"] == 0
     assert layers["weights"] == cold["weights"]
 
 
@@ -244,4 +245,4 @@ def test_the_runs_of_a_multirun_read_the_bundle_the_first_one_wrote(tmp_path):
     assert first["cache_status"] == "miss" and first["cache_saves"] >= 1
     assert second["cache_status"] == "hit" and second["cache_key"] == first["cache_key"]
     assert second["cache_fx_graph_misses"] == 0 and second["cache_precompiled_hits"] > 0
-    assert second["compile_time_s"] < first["compile_time_s"]
+    assert second["cache_precompiled_misses"] == second["compiles"] == 0 < first["compiles"]

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -35,11 +35,43 @@ def finish(process: subprocess.Popen, out: Path) -> dict:
     return json.loads(out.read_text()) | {"output": output}
 
 
-def single_and_ddp(tmp_path: Path, *args: str) -> tuple:
-    """The same training, on 1 process of batch 4 and on 2 DDP processes of batch 2 each (run side by side)."""
-    single = start(tmp_path / "single.json", "--devices", "1", "--batch", "4", *args)
-    ddp = start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", *args)
-    return finish(single, tmp_path / "single.json"), finish(ddp, tmp_path / "ddp.json")
+SINGLE, TWO_RANKS = ["--devices", "1", "--batch", "4"], ["--devices", "2", "--batch", "2"]
+
+
+def start_runs(directory: Path, runs: Dict[str, List[str]], *ranks: str) -> subprocess.Popen:
+    """``tests/ddp_run.py --runs``: each of ``runs`` (name -> arguments) trained in turn in one process group on
+    ``ranks``; its results in ``directory / <name>.json``."""
+    argvs = [[str(directory / f"{name}.json"), *args, *ranks] for name, args in runs.items()]
+    listed = directory / "runs.json"
+    listed.write_text(json.dumps(argvs))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(RUN), "--runs", str(listed)]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_runs(process: subprocess.Popen, directory: Path, names: List[str]) -> Dict[str, dict]:
+    """Each run's results, with its ranks' output; every run must have finished."""
+    output, _ = process.communicate(timeout=DDP_TIMEOUT + 60 * len(names))
+    results = {}
+    for name in names:
+        out = directory / f"{name}.json"
+        logs = sorted(directory.glob(f"{name}.json.log.rank*"))
+        run_output = "".join(log.read_text() for log in logs)
+        assert process.returncode == 0 and out.exists(), f"{name}:\n{run_output[-3000:]}\n{output[-3000:]}"
+        results[name] = json.loads(out.read_text()) | {"output": run_output}
+    return results
+
+
+def single_and_ddp(directory: Path, runs: Dict[str, List[str]]) -> Dict[str, tuple]:
+    """Each run's training on 1 process of batch 4 and on 2 DDP processes of batch 2 each: one process and one
+    process group, side by side, each training every run in turn."""
+    single = start_runs(directory / "single", runs, *SINGLE)
+    ddp = start_runs(directory / "ddp", runs, *TWO_RANKS)
+    singles, ddps = (
+        finish_runs(single, directory / "single", list(runs)),
+        finish_runs(ddp, directory / "ddp", list(runs)),
+    )
+    return {name: (singles[name], ddps[name]) for name in runs}
 
 
 def assert_same_training(single: dict, ddp: dict) -> None:
@@ -74,11 +106,24 @@ POLICIES = [
     ("full_background", ["--backend", "aot_eager", *BACKGROUND_ARGS]),
 ]
 POLICY_IDS = ["regional", "full", "dynamic", "buckets", "optimizer", "optimizer_auto"] + [p for p, _ in POLICIES[6:]]
+RUNS = dict(zip(POLICY_IDS, POLICIES))
 
 
-@pytest.mark.parametrize("policy,args", POLICIES, ids=POLICY_IDS)
-def test_ddp_trains_like_one_process(tmp_path, policy, args):
-    single, ddp = single_and_ddp(tmp_path, "--policy", policy, *args)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Dict[str, tuple]:
+    """Every policy of ``POLICIES`` trained on 1 process and under DDP (``single_and_ddp``), by its id."""
+    directory = tmp_path_factory.mktemp("ddp")
+    for side in ("single", "ddp"):
+        (directory / side).mkdir()
+    runs = {name: ["--policy", policy, *args] for name, (policy, args) in RUNS.items()}
+    return single_and_ddp(directory, runs) | {"directory": directory}
+
+
+@pytest.mark.parametrize("name", POLICY_IDS)
+def test_ddp_trains_like_one_process(trained, name):
+    policy, args = RUNS[name]
+    single, ddp = trained[name]
+    tmp_path = trained["directory"] / "ddp"
     assert_same_training(single, ddp)
     # Compiled in place inside the DDP wrapper: the graphs and recompiles of one process (no DDPOptimizer splits)
     assert "regions compiled in place inside DistributedDataParallel" in ddp["output"]
@@ -95,7 +140,7 @@ def test_ddp_trains_like_one_process(tmp_path, policy, args):
     if "auto" in args:
         # every rank chose the same candidate, by the same (slowest over the ranks) times: replicas updated by
         # different kernels would drift apart
-        choices = [json.loads((tmp_path / f"ddp.json.optimizer_choices.rank{rank}").read_text()) for rank in (0, 1)]
+        choices = [json.loads((tmp_path / f"{name}.json.optimizer_choices.rank{rank}").read_text()) for rank in (0, 1)]
         assert len(choices[0]) == 1 and choices[0] == choices[1], choices
         assert set(choices[0][0]["step_ms"]) == {"fused", "foreach", "compiled"}
     elif "--optimizer" in args:
@@ -107,7 +152,7 @@ def test_ddp_trains_like_one_process(tmp_path, policy, args):
     if policy == "buckets":
         assert ddp["summary"]["buckets"] == [8, 16] and ddp["summary"]["padding_overhead"] > 0  # 12 padded to 16
     if "--compiled-from" in args:
-        assert_ranks_switched_to_compiled_at_different_steps(tmp_path / "ddp.json", ddp)
+        assert_ranks_switched_to_compiled_at_different_steps(tmp_path / f"{name}.json", ddp)
 
 
 def assert_ranks_switched_to_compiled_at_different_steps(out: Path, ddp: dict) -> None:
@@ -118,14 +163,12 @@ def assert_ranks_switched_to_compiled_at_different_steps(out: Path, ddp: dict) -
     assert [summary["background_eager_steps"] for summary in by_rank] == [2, 3]
 
 
-def test_ddp_checkpoint_loads_into_eager_model_and_back(tmp_path):
+def test_ddp_checkpoint_loads_into_eager_model_and_back(trained):
     sys.path.insert(0, str(ROOT / "tests"))
     from ddp_run import RecordingLM
 
-    ddp = finish(
-        start(tmp_path / "ddp.json", "--devices", "2", "--batch", "2", "--policy", "regional"), tmp_path / "ddp.json"
-    )
-    checkpoint = torch.load(tmp_path / "ddp.ckpt", weights_only=False)
+    _, ddp = trained["regional"]  # the regional policy's DDP run saved its checkpoint
+    checkpoint = torch.load(trained["directory"] / "ddp" / "regional.ckpt", weights_only=False)
     eager = RecordingLM(4, 4, 4)
     eager.load_state_dict(checkpoint["state_dict"])  # strict: every key matches an eager model's
     for name, param in eager.named_parameters():

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 from compile_trainer import CompileCallback, PolicyError, to_policy
-from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer
+from compile_trainer.optimizer import compile_optimizer
 from compile_trainer.runs.hydra_configs import register_configs
 from compile_trainer.runs.training import build_callback
 from compile_trainer.schema import OptimizerPolicy, optimizer_settings
@@ -423,7 +423,27 @@ def test_grad_scaler_unscales_and_skips_overflowing_steps_as_with_eager(max_norm
     assert (steps[0].eager_steps, steps[0].compiled_steps) == (1, 4), "the overflowing step was skipped"
 
 
-def test_auto_times_candidates_keeps_the_fastest_and_updates_stay_equal():
+def trial_counts(candidates, auto_steps: int, chosen: str, clipping: bool) -> tuple:
+    """(compiled steps, eager steps) of ``STEPS`` under ``auto``: a first step that creates the state, each candidate's
+    warm-up and timed steps, then the winner's; an eager winner without clipping gets the optimizer's own step back,
+    whose steps are not this step's."""
+    turns = 1 + auto_steps
+    after = STEPS - 1 - len(candidates) * turns
+    compiled = turns * ("compiled" in candidates) + after * (chosen == "compiled")
+    eager = 1 + turns * sum(c != "compiled" for c in candidates) + after * (chosen != "compiled" and clipping)
+    return compiled, eager
+
+
+def expected_flags(optimizer, chosen: str) -> list:
+    """The fused/foreach flags after the choice: the user's own under the compiled winner, else the winner's."""
+    if chosen == "compiled":
+        return [(None, None)] * len(optimizer.param_groups)
+    return [(chosen == "fused", chosen == "foreach")] * len(optimizer.param_groups)
+
+
+def test_auto_times_every_candidate_keeps_the_fastest_and_updates_stay_equal():
+    """Which candidate wins is the timing's business; that each ran its warm-up and timed steps, that the fastest
+    is kept and that the steps after the trial are the winner's is not."""
     eager = tiny_model()
     optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
     train(eager, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine()), STEPS)
@@ -439,18 +459,19 @@ def test_auto_times_candidates_keeps_the_fastest_and_updates_stay_equal():
     assert len(choices) == 1 and step.choice is choices[0]
     choice = choices[0]
     assert set(choice.step_ms) == {"fused", "foreach", "compiled"}
+    assert step.eager_reasons["auto is timing fused"] == step.eager_reasons["auto is timing foreach"] == 3
     assert choice.chosen == min(choice.step_ms, key=choice.step_ms.get)
     assert f"auto chose {choice.chosen}" in choice.describe() and "best of 2 timed steps" in choice.describe()
-    if choice.chosen == "compiled":
-        assert optimizer.step is step
-    else:
-        assert not isinstance(optimizer.step, CompiledOptimizerStep), "an eager winner gets its own step back"
-        assert all(g[choice.chosen] for g in optimizer.param_groups)
+    candidates = ["fused", "foreach", "compiled"]
+    assert (step.compiled_steps, step.eager_steps) == trial_counts(candidates, 2, choice.chosen, clipping=False)
+    assert (optimizer.step is step) == (choice.chosen == "compiled"), "an eager winner gets its own step back"
+    assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == expected_flags(optimizer, choice.chosen)
     assert_same_params(eager, model)
 
 
-@pytest.mark.parametrize("candidates", [["foreach"], ["fused", "compiled"]])
+@pytest.mark.parametrize("candidates", [["foreach"], ["compiled"], ["fused", "compiled"]])
 def test_auto_with_clipping_keeps_clipping_whichever_candidate_wins(candidates):
+    """One candidate: its win is certain, so each kind of winner is tested on every run; two: either."""
     eager = tiny_model()
     optimizer = OPTIMIZERS["AdamW"](groups_of(eager))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine())
@@ -463,16 +484,16 @@ def test_auto_with_clipping_keeps_clipping_whichever_candidate_wins(candidates):
     policy["clip_grad_norm"] = 0.05
     step = compile_optimizer(optimizer, policy)
     train(model, optimizer, scheduler, STEPS)
-    assert step.choice.chosen in candidates and optimizer.step is step, "an eager winner runs behind the step"
-    assert "clipping by norm 0.05 included" in step.choice.describe()
-    if step.choice.chosen != "compiled":
-        trial_steps = 1 + policy["auto_steps"] if "compiled" in candidates else 0  # its warm-up and timed steps
-        assert step.eager_choice == step.choice.chosen and step.compiled_steps == trial_steps
-        assert all(g[step.choice.chosen] for g in optimizer.param_groups)
+    chosen = step.choice.chosen
+    assert chosen in candidates and optimizer.step is step, "an eager winner runs behind the step"
+    assert set(step.choice.step_ms) == set(candidates) and "clipping by norm 0.05 included" in step.choice.describe()
+    assert (step.compiled_steps, step.eager_steps) == trial_counts(candidates, 3, chosen, clipping=True)
+    assert step.eager_choice == (None if chosen == "compiled" else chosen)
+    assert [(g["fused"], g["foreach"]) for g in optimizer.param_groups] == expected_flags(optimizer, chosen)
     assert_same_params(eager, model)
 
 
-@pytest.mark.parametrize("candidates", [["compiled"], ["foreach", "compiled"]])
+@pytest.mark.parametrize("candidates", [["compiled"], ["foreach"], ["foreach", "compiled"]])
 def test_auto_times_the_compiled_candidate_with_its_gradient_copy(candidates):
     """During the trial no hook copies gradients in backward, where the timing would miss it: the compiled
     candidate gathers them inside its timed step. A compiled winner gets its hooks back; an eager one reads
@@ -483,13 +504,11 @@ def test_auto_times_the_compiled_candidate_with_its_gradient_copy(candidates):
     step = compile_optimizer(optimizer, {**policy, "clip_grad_norm": 0.05})
     assert not step.layout.hooked, "off from the start: the first backward already feeds the trial"
     train(model, optimizer, None, STEPS)
-    if step.choice.chosen == "compiled":
-        assert step.layout.hooked
-        flat_grads = {segment.grad.data_ptr() for segment in step.layout.segments}
-        assert all(p.grad._base is not None and p.grad._base.data_ptr() in flat_grads for p in model.parameters())
-    else:
-        assert not step.layout.hooked
-        assert all(p.grad._base is None for p in model.parameters()), "backward's own gradient tensors"
+    compiled_won = step.choice.chosen == "compiled"
+    assert step.layout.hooked == compiled_won
+    flat_grads = {segment.grad.data_ptr() for segment in step.layout.segments}
+    in_flat_buffer = [p.grad._base is not None and p.grad._base.data_ptr() in flat_grads for p in model.parameters()]
+    assert in_flat_buffer == [compiled_won] * len(in_flat_buffer), "else backward's own gradient tensors"
 
 
 def test_auto_trial_eager_candidates_read_gradients_where_backward_left_them():

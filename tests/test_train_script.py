@@ -71,3 +71,19 @@ def test_bad_input_fails_before_training(tmp_path, override, message):
     assert result.returncode != 0
     assert re.search(message, result.stderr), result.stderr[-3000:]
     assert "Epoch 0" not in result.stdout + result.stderr
+
+
+def test_misspelt_keys_fail_before_composition_naming_the_near_match_and_the_valid_keys(tmp_path):
+    (tmp_path / "conf" / "compile").mkdir(parents=True)
+    policy = "defaults: [schema, _self_]\nrules: [{name: model, action: full}]\nshapes: {pad: {bukets: [64]}}\n"
+    (tmp_path / "conf" / "compile" / "mine.yaml").write_text(policy)
+    overrides = [f"hydra.run.dir={tmp_path}", "compile=mine", "compile.bakend=eager"]
+    command = [sys.executable, "train.py", "--config-dir", str(tmp_path / "conf"), *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()[-2:]
+    assert lines[0].startswith(
+        f"{tmp_path / 'conf' / 'compile' / 'mine.yaml'}: unknown key 'compile.shapes.pad.bukets' "
+        "(did you mean 'buckets'?); valid keys of compile.shapes.pad: dim, buckets, multiple_of"
+    ), result.stderr
+    assert lines[1].startswith("unknown key 'compile.bakend' (did you mean 'backend'?); valid keys of compile: backend")

@@ -106,8 +106,7 @@ def _input_copy(value: torch.Tensor) -> torch.Tensor:
     marks."""
     copy = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device)
     copy = copy.copy_(value.detach()).requires_grad_(value.requires_grad)
-    copy.__dict__.update({k: v for k, v in value.__dict__.items() if k.startswith("_dynamo")})
-    return copy
+    return compat.copy_dynamo_marks(value, copy)
 
 
 def _inputs_copied(inputs: Any) -> Any:

@@ -59,9 +59,12 @@ def compose_config(overrides: Sequence[str]) -> DictConfig:
     """``conf/config.yaml`` with ``overrides``, as ``train.py`` would see it."""
     from hydra import compose, initialize_config_dir
 
-    from compile_trainer.runs.hydra_configs import register_configs
+    from compile_trainer.runs.hydra_configs import register_configs, unknown_override_keys
 
     register_configs()
+    unknown = unknown_override_keys(list(overrides), [bundled_policy_dir().parent])
+    if unknown:
+        raise ExplainError("\n".join(unknown))
     with initialize_config_dir(config_dir=str(bundled_policy_dir().parent), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 

@@ -63,10 +63,7 @@ def _copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
     ``requires_grad``, and Dynamo's shape marks (``mark_dynamic`` sets attributes on the tensor object)."""
     copied = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=tensor.device)
     copied.copy_(tensor.detach()).requires_grad_(tensor.requires_grad)
-    for name, mark in vars(tensor).items():
-        if name.startswith("_dynamo"):
-            setattr(copied, name, copy.copy(mark))
-    return copied
+    return compat.copy_dynamo_marks(tensor, copied)
 
 
 @dataclass

@@ -111,6 +111,8 @@ class AppliedPolicy:
     process_settings: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     # Why a background policy compiles in the foreground instead (compile_in_foreground), or None.
     foreground_reason: Optional[str] = None
+    # Who applied it (apply_policy, or a CompileCallback that called it), named when another policy meets it.
+    applied_by: str = "apply_policy"
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -297,7 +299,7 @@ def _mark_nested_blocks(applied: AppliedPolicy, root: nn.Module, region: Region)
     the first block's parameters for every block (wrong results, seen on torch 2.13).
     """
     for cls in {type(root.get_submodule(name)) for name in region.nested_blocks}:
-        if cls in applied.nested_classes or hasattr(cls.forward, "__marked_compile_region_fn__"):
+        if cls in applied.nested_classes or compat.is_nested_compile_region(cls.forward):
             continue
         applied.nested_classes[cls] = cls.__dict__.get("forward")
         cls.forward = torch.compiler.nested_compile_region(cls.forward)

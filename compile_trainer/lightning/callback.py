@@ -68,6 +68,7 @@ class CompileCallback(pl.Callback):
         self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
         self.cache: Optional[CompileCache] = None
         self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
+        self.applied_before_fit: Optional[AppliedPolicy] = None  # on the module at setup, before configure_model
         self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
         config = to_telemetry_config(telemetry)
         self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
@@ -96,7 +97,10 @@ class CompileCallback(pl.Callback):
         if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
             self.cache = CompileCache(self.policy.cache)
             self.cache.load(pl_module, self.policy, pl_module.device)
-        self.applied = self._adopt_applied(pl_module) or apply_policy(pl_module, self.policy, device=pl_module.device)
+        self.applied = self._adopt_applied(pl_module)
+        if self.applied is None:
+            self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
+            self.applied.applied_by = "CompileCallback"
         if self.cache is not None:
             self.cache.attach(self.applied)
         if self.policy.background and self.policy.enabled:
@@ -118,19 +122,29 @@ class CompileCallback(pl.Callback):
             logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
 
     def _adopt_applied(self, pl_module: pl.LightningModule) -> Optional[AppliedPolicy]:
-        """The policy applied in ``configure_model`` (FSDP2: blocks compiled before ``fully_shard``), if any; under
-        FSDP2 a policy that compiles modules must have been applied there."""
+        """The policy applied in ``configure_model`` (FSDP2: blocks compiled before ``fully_shard``), or left applied
+        by an earlier fit with this policy, if any; under FSDP2 a policy that compiles modules must have been applied
+        in ``configure_model``."""
         applied = getattr(pl_module, APPLIED_ATTR, None)
         if applied is None:
             if self.strategy == "fsdp2" and self.policy.compiles_modules:
                 raise PolicyError(f"policy {self.policy.name!r} was not applied before sharding: {FSDP2_RECIPE}")
             return None
-        if policy_to_dict(applied.policy) != policy_to_dict(self.policy):
+        if policy_to_dict(applied.policy) == policy_to_dict(self.policy):
+            return applied
+        if applied is self.applied_before_fit:
+            earlier = applied.applied_by == "CompileCallback"
+            undo = "`earlier_callback.applied.remove()`" if earlier else "`.remove()` on what apply_policy returned"
             raise PolicyError(
-                f"configure_model applied policy {applied.policy.name!r}, but the CompileCallback holds "
-                f"{self.policy.name!r}: apply the callback's own policy (callback.policy) there"
+                f"the model still carries compile policy {applied.policy.name!r}, applied before this fit began by "
+                f"{'the CompileCallback of an earlier fit' if earlier else 'apply_policy'}, but this CompileCallback "
+                f"holds {self.policy.name!r}; a model takes one policy at a time: undo the earlier one first with "
+                f"{undo}, or fit with the callback that applied it"
             )
-        return applied
+        raise PolicyError(
+            f"configure_model applied policy {applied.policy.name!r}, but the CompileCallback holds "
+            f"{self.policy.name!r}: apply the callback's own policy (callback.policy) there"
+        )
 
     def _clip_in_optimizer_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The Trainer's ``gradient_clip_val`` clips inside the compiled steps, and Lightning's clipping is off
@@ -154,7 +168,16 @@ class CompileCallback(pl.Callback):
                 rank_zero_info(f"note: {self.gradient_copies.describe()}")
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        others = [c for c in trainer.callbacks if isinstance(c, CompileCallback) and c is not self]
+        if others:
+            names = ", ".join(repr(c.policy.name) for c in [self, *others])
+            raise PolicyError(
+                f"this Trainer has {len(others) + 1} CompileCallbacks (policies {names}); a model takes one compile "
+                "policy: keep one CompileCallback and put every rule in its policy"
+            )
         self.strategy = strategy_kind(trainer.strategy)  # an unsupported strategy fails here, before training
+        # configure_model runs after setup: a policy on the module now was applied before this fit began
+        self.applied_before_fit = getattr(pl_module, APPLIED_ATTR, None)
         if self.strategy != "single":
             check_distributed_runtime(self.policy)
         if stage == "fit" and self.policy.shapes.active:

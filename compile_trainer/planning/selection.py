@@ -414,12 +414,12 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
                 continue
             above = [(n, modules[n]) for n in _prefixes(name)]
             for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy, above):
-                _place(plan, index, item_name, region)
+                _place(plan, index, item_name, region, policy.rules)
     plan.regions.sort(key=lambda r: list(modules).index(r.name))
     return plan
 
 
-def _place(plan: CompilePlan, index: int, name: str, region: Optional[Region]) -> None:
+def _place(plan: CompilePlan, index: int, name: str, region: Optional[Region], rules: List[Rule]) -> None:
     plan.regions = [r for r in plan.regions if not (r.name == name or _is_inside(r.name, name))]
     plan.eager = {n: i for n, i in plan.eager.items() if not (n == name or _is_inside(n, name))}
     outer = plan.enclosing_region(name)
@@ -427,8 +427,37 @@ def _place(plan: CompilePlan, index: int, name: str, region: Optional[Region]) -
         plan.eager[name] = index
         return
     if outer is not None:
-        raise PolicyError(
-            f"rule {index} would compile {name!r} inside {outer.name!r}, which rule {outer.rule_index} already "
-            "compiles whole; a module is compiled at most once. Make the outer rule 'regional', or drop one rule."
-        )
+        raise PolicyError(_inside_region_message(index, name, outer, rules))
     plan.regions.append(region)
+
+
+def _inside_region_message(index: int, name: str, outer: Region, rules: List[Rule]) -> str:
+    """Why rule ``index`` cannot make ``name`` a region (it lies inside ``outer``), and the valid fixes."""
+    by = f"rule {outer.rule_index} {rules[outer.rule_index].describe()}"
+    narrow = f"narrow rule {index} to modules outside compiled regions (under a module an `eager` rule leaves eager)"
+    if outer.role == "block":
+        what = (
+            f"a repeated block that {by} compiles whole (one graph for the blocks of its structure); a part of a "
+            f"compiled block cannot be a region of its own. Valid: select the whole block in rule {index} (it is then "
+            f"compiled alone, with rule {index}'s settings), give the settings to rule {outer.rule_index} (every block "
+            f"gets them), {narrow}, or drop one rule"
+        )
+    elif outer.role == "rest":
+        what = (
+            f"a part that {by} compiles whole as one region (rest: {rules[outer.rule_index].rest}). Valid: select "
+            f"{outer.name!r} itself in rule {index}, {narrow}, or drop one rule"
+        )
+    elif outer.role == "outer":
+        what = (
+            f"which {by} compiles whole around its blocks (rest: outer). Valid: rest: compile in rule "
+            f"{outer.rule_index} (each part becomes a region that a later rule can replace), {narrow}, or drop one rule"
+        )
+    else:
+        what = (
+            f"which {by} compiles whole. Valid: make rule {outer.rule_index} 'regional' (its blocks and other parts "
+            f"become regions that a later rule can replace), {narrow}, or drop one rule"
+        )
+    return (
+        f"rule {index} {rules[index].describe()} would compile {name!r} inside {outer.name!r}, {what}. A module is "
+        "compiled at most once."
+    )

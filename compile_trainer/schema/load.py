@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Tuple, Type, TypeVar
 
+from compile_trainer.schema.keys import unknown_keys
 from compile_trainer.schema.policy import CompilePolicy
 from compile_trainer.schema.sweep import SweepSettings, sweep_settings_problems
 from compile_trainer.schema.telemetry import TelemetryConfig, telemetry_config_problems
@@ -44,9 +45,14 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
     from omegaconf.errors import OmegaConfBaseException
 
     schema = OmegaConf.structured(CompilePolicy)
+    if spec is None:
+        spec = "regional"
     try:
-        if spec is None:
-            spec = "regional"
+        # keys OmegaConf would refuse as "Key 'bakend' not in 'CompilePolicy'", named with what is valid
+        given = {} if isinstance(spec, (str, CompilePolicy)) else OmegaConf.to_container(OmegaConf.create(spec))
+        unknown = unknown_keys(given, CompilePolicy) + unknown_keys(overrides, CompilePolicy)
+        if unknown:
+            raise PolicyError(f"invalid compile policy: {'; '.join(unknown)}.")
         if isinstance(spec, str):
             merged = OmegaConf.merge(schema, _load_bundled(spec))
         elif isinstance(spec, CompilePolicy):
@@ -76,6 +82,9 @@ def _load_bundled(name: str, including: Tuple[str, ...] = ()) -> Any:
         raise PolicyError(f"compile policy {name!r} includes itself: {' -> '.join((*including, name))}.")
     loaded = OmegaConf.load(path)
     bases = [entry for entry in loaded.pop("defaults", None) or [] if isinstance(entry, str)]
+    unknown = unknown_keys(OmegaConf.to_container(loaded), CompilePolicy)
+    if unknown:
+        raise PolicyError(f"compile policy {name!r} ({path}): {'; '.join(unknown)}.")
     merged = OmegaConf.create()
     for base in bases:
         if base not in ("schema", "_self_"):
@@ -96,10 +105,9 @@ def _settings(cls: Type[Schema], spec: Any, section: str) -> Schema:
     from omegaconf import DictConfig, OmegaConf
 
     values = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else dict(spec or {})
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(valid))
+    unknown = unknown_keys(values, cls, root=section)
     if unknown:
-        raise SettingsError(f"unknown {section} setting(s) {unknown}. Valid settings: {', '.join(valid)}.")
+        raise SettingsError(f"{'; '.join(unknown)}.")
     return cls(**values)
 
 
