@@ -134,7 +134,7 @@ def test_a_second_fit_under_another_policy_names_the_policy_left_from_the_first_
 def _readme_policy_yaml() -> str:
     """The custom policy of README.md, exactly as printed there."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(# conf/compile/my_policy\.yaml\n.*?)```", readme, flags=re.S)
+    blocks = re.findall(r"```yaml\n(# conf/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
     assert len(blocks) == 1, "README.md shows one conf/compile/my_policy.yaml"
     return blocks[0]
 
