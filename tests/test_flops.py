@@ -1,8 +1,6 @@
 """FLOPs and MFU in a real fit of Hugging Face models (tiny configs, random weights): counted on real tensors at the
 first batch, equal to an independent FlopCounterMode count, and leaving no trace on the training that follows."""
 
-import logging
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -11,7 +9,7 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from compile_trainer import CompileCallback
-from compile_trainer.telemetry.throughput import device_peak_flops, measure_step_flops, table_peak_flops
+from compile_trainer.telemetry.throughput import device_peak_flops, table_peak_flops
 from tests.conftest import quiet_cpu_trainer
 
 BATCH, SEQ, VOCAB, IMAGE, LABELS = 2, 8, 64, 16, 3
@@ -162,24 +160,6 @@ def test_flops_are_counted_on_real_tensors_and_leave_no_trace(name):
     assert not changed, f"the count changed the training: {changed}"
 
 
-def test_measure_step_flops_leaves_gradients_buffers_and_rng_as_they_were():
-    """Without Lightning, mid-accumulation: gradients already held stay as they were (Lightning zeroes them before
-    the first step's backward anyway)."""
-    model = MODELS["resnet_batchnorm"][0]().train()
-    batch = image_batches()[0]
-    model(**batch).loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    rng = torch.get_rng_state()
-
-    flops = measure_step_flops(model, batch, lambda m, b: m(**b).loss)
-
-    assert torch.equal(torch.get_rng_state(), rng)
-    assert all(torch.equal(p.grad, grads[name]) for name, p in model.named_parameters())
-    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
-    assert flops == reference_flops("resnet_batchnorm")
-
-
 def test_flops_are_counted_eagerly_beside_warmed_up_strict_regions():
     """Bucket warm-up compiles every region before the first batch and arms strict recompiles (a region's call
     then runs under the stance 'fail_on_recompile'): the count runs the modules' own forward instead."""
@@ -198,12 +178,11 @@ def test_given_flops_per_step_are_used_and_nothing_is_counted():
     assert summary["flops_per_step"] == 1234.0
 
 
-def test_manual_optimization_is_not_counted_and_says_why(caplog):
-    with caplog.at_level(logging.WARNING, logger="compile_trainer"):
-        summary, _, _ = fit("vit", {}, module_class=ManualHFModule)
-    assert summary["flops_per_step"] is None and summary["steps"] == STEPS
-    assert "FLOPs per step not measured: manual optimization" in caplog.text
-    assert "telemetry.flops_per_step" in caplog.text
+def test_manual_optimization_is_counted_over_its_training_step():
+    """Manual optimization steps its optimizer inside training_step: the count runs to the batch's end (SGD's update
+    has no matmul: the count is the forward and backward)."""
+    summary, _, _ = fit("vit", {}, module_class=ManualHFModule)
+    assert summary["flops_per_step"] == reference_flops("vit") and summary["steps"] == STEPS
 
 
 @pytest.mark.parametrize(

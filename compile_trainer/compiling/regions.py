@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from compile_trainer import compat
-from compile_trainer.compiling.backends import CompileOnlyBackend
+from compile_trainer.compiling.backends import RegionBackend
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
@@ -49,20 +49,18 @@ class CompiledRegion:
     entry_key: str
     compile_kwargs: Dict[str, Any]
     calls: int = 0
-    # Compiled by a background thread: with a backend whose graphs it can compile without running them.
-    background: bool = False
 
     @property
     def entry_name(self) -> str:
         return self.entry.__name__
 
     def compile_on(self, module: nn.Module) -> Callable[..., Any]:
-        """``torch.compile`` of the entry bound to ``module``: every module given here shares one cache entry."""
+        """``torch.compile`` of the entry bound to ``module``: every module given here shares one cache entry. The
+        backend is a ``RegionBackend`` (graphs that a background thread compiles without running them, and whose
+        calls the telemetry's FLOPs count observes) of the settings' backend, mode and options."""
         kwargs = dict(self.compile_kwargs)
-        if self.background:
-            backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
-            kwargs["backend"] = CompileOnlyBackend(*backend)
-        return torch.compile(types.MethodType(self.entry, module), **kwargs)
+        backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
+        return torch.compile(types.MethodType(self.entry, module), backend=RegionBackend(*backend), **kwargs)
 
 
 @dataclass
@@ -363,9 +361,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         key = repr(sorted(kwargs.items())) + (region.structure if region.role == "block" else f"@{region.name}")
         cls = type(region.module)
         entry = _entry_function(cls, key)
-        item = CompiledRegion(
-            region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs, background=policy.background
-        )
+        item = CompiledRegion(region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs)
         compat.install_compiled_call(
             region.module, RegionCall(item, item.compile_on(region.module), applied.interceptors)
         )
