@@ -126,6 +126,9 @@ class FitTelemetry:
         self._compiles_at_start = self.compile.compile_count
         self._recordings_at_start = self.compile.cudagraph_recordings
         self.throughput.step_start(batch)
+        if self._flop_count is not None:  # the last batch never ended (on_train_batch_start returned -1): again
+            self._flop_count.abort()
+            self._flop_count, self._count_flops = None, True
         if self._count_flops:
             self._count_flops = False
             self._flop_count = StepFlopCount()

@@ -35,8 +35,11 @@ GraphFlops = Tuple[int, int]  # forward, backward
 
 
 def _signature(args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """What a graph's FLOPs depend on: its inputs' shapes and which need gradients (and any plain value)."""
     return tuple(
-        (tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
+        (tuple(a.shape), a.dtype, a.device, a.requires_grad)
+        if isinstance(a, torch.Tensor)
+        else (a if isinstance(a, (int, float, bool, str, type(None))) else id(a))
         for a in args
     )
 

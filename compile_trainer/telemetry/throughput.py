@@ -293,6 +293,7 @@ class ThroughputMeter:
             "cudagraph_recording_steps": self.cudagraph_recording_steps,
             "warmup_steps": self.totals[WARMUP].steps,
             "compile_steps_time_s": self.compiling.seconds,
+            "warmup_steps_time_s": self.totals[WARMUP].seconds,
             "first_step_time_s": self.first_step_time_s,
             "steady_steps": self.steady.steps,
             "steady_step_time_s": steady["step_time_s"],
