@@ -272,3 +272,19 @@ def test_steps_that_record_cuda_graphs_are_not_steady(tmp_path):
     summary = callback.summary()
     assert (summary["steps"], summary["compile_steps"], summary["cudagraph_recording_steps"]) == (8, 3, 2)
     assert summary["steady_steps"] == 5 and summary["warmup_steps"] == 0, "the FLOPs were counted in the compile step"
+
+
+def test_without_compiles_the_counted_step_is_a_warm_up_step(tmp_path):
+    """Under ``none`` nothing compiles: the step whose FLOPs were counted (every op through a dispatch mode) is
+    still kept out of steady state, as a warm-up step."""
+    callback = CompileCallback("none", telemetry={"print_summary": False})
+    fit(models.TinyRegression(batch_size=BATCH), callback, steps=6, tmp_path=tmp_path)
+    summary = callback.summary()
+    assert (summary["steps"], summary["compile_steps"], summary["warmup_steps"], summary["steady_steps"]) == (
+        6,
+        0,
+        1,
+        5,
+    )
+    assert summary["warmup_steps_time_s"] > 0 and summary["compiles"] == 0
+    assert summary["flops_per_step"] == step_flops() > 0

@@ -70,6 +70,7 @@ class FitTelemetry:
         self._flops: Optional[float] = config.flops_per_step
         self._count_flops = False  # at the next training batch
         self._flop_count: Optional[StepFlopCount] = None  # counting the FLOPs of the step under way
+        self._counted_step = False  # the step under way is (was) the one counted: not a steady step
         self._steps = 0
         self._logged_steps = 0
         self._compiles_at_start = 0
@@ -129,6 +130,7 @@ class FitTelemetry:
         if self._flop_count is not None:  # the last batch never ended (on_train_batch_start returned -1): again
             self._flop_count.abort()
             self._flop_count, self._count_flops = None, True
+        self._counted_step = self._count_flops
         if self._count_flops:
             self._count_flops = False
             self._flop_count = StepFlopCount()
@@ -143,12 +145,11 @@ class FitTelemetry:
     def on_train_batch_end(self, trainer: pl.Trainer, batch: Any, compiling: bool = False) -> None:
         """``compiling``: a compile was under way during the step elsewhere (a background compile), so the
         step does not count as steady state either."""
-        counted = self._flop_count is not None
-        if counted:
+        if self._flop_count is not None:
             self._finish_flop_count()
         compiled = self.compile.compile_count != self._compiles_at_start
         recorded = self.compile.cudagraph_recordings != self._recordings_at_start
-        kind = COMPILE if compiled or compiling else WARMUP if counted else STEADY
+        kind = COMPILE if compiled or compiling else WARMUP if self._counted_step else STEADY
         self.throughput.step_end(kind, recorded_cuda_graphs=recorded)
         if compiled:
             self.compile.collect()
