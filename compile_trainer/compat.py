@@ -281,19 +281,23 @@ def flop_counting_problem() -> Optional[str]:
 
 class FlopTally:
     """FLOPs of the ATen ops dispatched while ``mode()`` is pushed, by torch.utils.flop_counter's formulas, counted
-    only while ``counting()`` is true; ``add`` counts FLOPs known otherwise. torch.compile ignores the mode."""
+    only while ``counting()`` is true; ``add`` counts FLOPs known otherwise. torch.compile ignores the mode.
 
-    def __init__(self, counting: Callable[[], bool] = lambda: True):
+    ``real_only``: ops on fake tensors are not counted. The mode is popped while Dynamo compiles, except under DDP,
+    where Dynamo's DDPOptimizer compiles with it on and propagates fake tensors through the graph (checked 2.13)."""
+
+    def __init__(self, counting: Callable[[], bool] = lambda: True, real_only: bool = False):
         from torch.utils.flop_counter import flop_registry
 
         self.counting = counting
+        self.real_only = real_only
         self.flop_registry = dict(flop_registry)  # read by _FlopCounterMode
         self.flop_counts: Dict[str, Dict[Any, int]] = defaultdict(lambda: defaultdict(int))
 
     def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
         """Called by _FlopCounterMode for every op it ran (its higher-order ops copy and restore ``flop_counts``)."""
         formula = self.flop_registry.get(func_packet)
-        if formula is not None and self.counting():
+        if formula is not None and self.counting() and not (self.real_only and _any_fake(args)):
             self.flop_counts[FLOP_TOTAL_KEY][func_packet] += formula(*args, **kwargs, out_val=out)
         return out
 
@@ -324,6 +328,12 @@ class FlopTally:
                 return self.counter._count_flops(func._overloadpacket, func(*args, **kwargs), args, kwargs)
 
         return _IgnoredByCompile(self)
+
+
+def _any_fake(args: tuple) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(arg, FakeTensor) for arg in args)
 
 
 def run_graph_inlining_subgraphs(graph: torch.fx.GraphModule, *args: Any) -> Any:

@@ -88,7 +88,11 @@ class StepFlopCount:
 
     def __init__(self) -> None:
         self._paused = threading.local()  # per thread: the backward of a CUDA step runs on the device's thread
-        self.tally = compat.FlopTally(counting=lambda: not getattr(self._paused, "depth", 0))
+        # Not while anything compiles: under DDP, Dynamo compiles (Inductor autotunes on real tensors) with the mode on.
+        self.tally = compat.FlopTally(
+            counting=lambda: not getattr(self._paused, "depth", 0) and not torch.compiler.is_compiling(),
+            real_only=True,
+        )
         self._graphs: Dict[Tuple[int, Tuple[Any, ...]], GraphFlops] = {}
         self._mode: Optional[Any] = None
         self._observing: Optional[Any] = None
