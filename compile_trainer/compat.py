@@ -18,6 +18,7 @@ import os
 import re
 import types
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -277,6 +278,113 @@ def is_nested_compile_region(function: Callable[..., Any]) -> bool:
     """Whether ``nested_compile_region`` marked ``function`` already (it sets ``__marked_compile_region_fn__``;
     checked 2.9.1-2.13)."""
     return hasattr(function, "__marked_compile_region_fn__")
+
+
+# -- FLOPs counted during a real step ----------------------------------------------------------------------
+# torch.utils.flop_counter's dispatch mode (_FlopCounterMode: its handling of higher-order ops; checked 2.13) and
+# formulas (flop_registry) on a counter of our own, without FlopCounterMode's module tracker (global module hooks,
+# which a compile running meanwhile would trace). A dispatch mode whose ignore_compile_internals() is True leaves
+# torch.compile as it is without it: Dynamo compiles with the modes popped and its guards ignore the mode (any other
+# dispatch mode makes Dynamo skip every frame it meets: "non-infra torch dispatch mode present"); compiled code then
+# runs with the mode on. Checked 2.13 (CPU: eager, aot_eager, inductor; no recompile after the mode is gone).
+# AOTAutograd's compiled graphs are one autograd node each, of class CompiledFunctionBackward (checked 2.13).
+FLOP_TOTAL_KEY = "Global"
+
+
+def flop_counting_problem() -> Optional[str]:
+    """Why FLOPs cannot be counted during a compiled step on this torch (None when they can)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
+        return (
+            "counting FLOPs during the step needs a dispatch mode that torch.compile ignores "
+            f"(TorchDispatchMode.ignore_compile_internals), which torch {torch.__version__} lacks"
+        )
+    return None
+
+
+class FlopTally:
+    """FLOPs of the ATen ops dispatched while ``mode()`` is pushed, by torch.utils.flop_counter's formulas, counted
+    only while ``counting()`` is true; ``add`` counts FLOPs known otherwise. torch.compile ignores the mode.
+
+    ``real_only``: ops on fake tensors are not counted. The mode is popped while Dynamo compiles, except under DDP,
+    where Dynamo's DDPOptimizer compiles with it on and propagates fake tensors through the graph (checked 2.13)."""
+
+    def __init__(self, counting: Callable[[], bool] = lambda: True, real_only: bool = False):
+        from torch.utils.flop_counter import flop_registry
+
+        self.counting = counting
+        self.real_only = real_only
+        self.flop_registry = dict(flop_registry)  # read by _FlopCounterMode
+        self.flop_counts: Dict[str, Dict[Any, int]] = defaultdict(lambda: defaultdict(int))
+
+    def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        """Called by _FlopCounterMode for every op it ran (its higher-order ops copy and restore ``flop_counts``)."""
+        formula = self.flop_registry.get(func_packet)
+        if formula is not None and self.counting() and not (self.real_only and _any_fake(args)):
+            self.flop_counts[FLOP_TOTAL_KEY][func_packet] += formula(*args, **kwargs, out_val=out)
+        return out
+
+    def add(self, flops: int, what: str) -> None:
+        self.flop_counts[FLOP_TOTAL_KEY][what] += int(flops)
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.flop_counts[FLOP_TOTAL_KEY].values()))
+
+    def mode(self) -> Any:
+        from torch.utils.flop_counter import _FlopCounterMode
+
+        class _IgnoredByCompile(_FlopCounterMode):
+            @classmethod
+            def ignore_compile_internals(cls) -> bool:
+                return True
+
+            def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+                """Every op runs as it is (FlopCounterMode's own decomposes those without a formula, which would
+                change the numbers of the step it counts: SiLU's backward). Higher-order ops FlopCounterMode knows
+                (cond, Triton kernels) are counted as it counts them; any other runs below the mode, uncounted
+                (FlopCounterMode refuses them: a nested compile region's invoke_subgraph failed the step)."""
+                kwargs = kwargs or {}
+                if isinstance(func, torch._ops.HigherOrderOperator):
+                    handled = self._handle_higher_order_ops(func, types, args, kwargs)
+                    return func(*args, **kwargs) if handled is NotImplemented else handled
+                return self.counter._count_flops(func._overloadpacket, func(*args, **kwargs), args, kwargs)
+
+        return _IgnoredByCompile(self)
+
+
+def _any_fake(args: tuple) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(arg, FakeTensor) for arg in args)
+
+
+def run_graph_inlining_subgraphs(graph: torch.fx.GraphModule, *args: Any) -> Any:
+    """``graph(*args)``, each nested compile region's call (``invoke_subgraph``, a higher-order op that dispatch modes
+    cannot run) replaced by a call of its subgraph. Checked 2.13."""
+    invoke_subgraph = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+
+    class _Inlining(torch.fx.Interpreter):
+        def call_function(self, target: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
+            if invoke_subgraph is not None and target is invoke_subgraph:
+                subgraph, _identifier, *operands = args
+                return subgraph(*operands)
+            return super().call_function(target, args, kwargs)
+
+    return _Inlining(graph).run(*args)
+
+
+def fake_tensor_mode() -> Any:
+    """A FakeTensorMode that also takes real tensors (a graph's constants), with static shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_compiled_autograd_node(node: Any) -> bool:
+    """An AOTAutograd graph's backward node (its whole compiled backward runs inside it)."""
+    return type(node).__name__ == "CompiledFunctionBackward"
 
 
 # -- Background compile ------------------------------------------------------------------------------------
@@ -889,6 +997,25 @@ def _probe_aot_compile() -> None:
     assert loaded.guard_check(torch.ones(2)) and torch.equal(loaded.fn(torch.ones(2)), torch.full((2,), 2.0))
 
 
+def _probe_flop_tally() -> None:
+    def block(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (x @ weight).relu()
+
+    compiled = torch.compile(block, backend="aot_eager")
+    x, weight = torch.ones(2, 3), torch.ones(3, 4, requires_grad=True)
+    tally = FlopTally()
+    graphs = unique_graphs()
+    with tally.mode():
+        out = compiled(x, weight)
+    assert unique_graphs() == graphs + 1, "a FlopTally's mode made Dynamo skip the frame"
+    assert tally.total == 2 * 2 * 3 * 4, tally.total
+    assert is_compiled_autograd_node(out.grad_fn), type(out.grad_fn).__name__
+    fake = fake_tensor_mode()
+    with fake:
+        product = fake.from_tensor(torch.ones(2, 3)) @ torch.ones(3, 4)  # a real tensor is taken in
+    assert product.shape == (2, 4) and type(product).__name__ == "FakeTensor"
+
+
 ENTRIES = [
     Entry("dynamo_callback_handler", _probe_callback_handler),
     Entry("compilation_metrics", _probe_compilation_metrics),
@@ -912,6 +1039,7 @@ ENTRIES = [
     Entry("inductor_cache_dir", _probe_inductor_cache_dir),
     Entry("cache_counters", _probe_cache_counters),
     Entry("prime_dynamic_floats", _probe_dynamic_floats),
+    Entry("FlopTally", _probe_flop_tally),
 ]
 # Present from the version named: probed only there.
 VERSIONED_ENTRIES = [

@@ -195,7 +195,7 @@ def train(args: argparse.Namespace) -> CompileCallback:
         overrides["cache"] = {"dir": args.cache, "mode": "read-write"}
     if args.consistent_dynamic_shapes:
         overrides["distributed"] = {"consistent_dynamic_shapes": True}
-    callback = CompileCallback(args.policy, telemetry={"measure_flops": False}, **overrides)
+    callback = CompileCallback(args.policy, **overrides)
     module = RecordingLM(args.global_batch, args.batch, args.steps, args.skew)
     strategy = args.strategy if args.devices > 1 else "auto"
     if args.strategy == "fsdp2":

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from compile_trainer.compiling.backends import CompiledNotRun, CompileOnlyBackend, compile_only
+from compile_trainer.compiling.backends import CompiledNotRun, RegionBackend, compile_only
 
 
 def scale(x):
@@ -15,7 +15,7 @@ def scale(x):
 
 def test_compile_only_compiles_a_graph_that_other_threads_then_run_without_compiling():
     torch._dynamo.reset()
-    on_thread = torch.compile(scale, backend=CompileOnlyBackend("aot_eager", None, None, None))
+    on_thread = torch.compile(scale, backend=RegionBackend("aot_eager", None, None, None))
     outcome = []
 
     def compile_in_background():
@@ -32,7 +32,7 @@ def test_compile_only_compiles_a_graph_that_other_threads_then_run_without_compi
     thread.join()
     assert outcome == ["compiled, not run"] and counters["stats"]["unique_graphs"] == graphs + 1
     # Another torch.compile with equal settings (as each region of a shared entry has) hits the same entry.
-    here = torch.compile(scale, backend=CompileOnlyBackend("aot_eager", None, None, None))
+    here = torch.compile(scale, backend=RegionBackend("aot_eager", None, None, None))
     assert torch.equal(here(torch.ones(3)), scale(torch.ones(3)))
     assert counters["stats"]["unique_graphs"] == graphs + 1, "the thread's compile was reused"
     with pytest.raises(CompiledNotRun), compile_only():
@@ -40,10 +40,10 @@ def test_compile_only_compiles_a_graph_that_other_threads_then_run_without_compi
 
 
 def test_backends_with_different_settings_are_not_equal():
-    inductor = CompileOnlyBackend("inductor", "reduce-overhead", None, None)
-    assert inductor == CompileOnlyBackend("inductor", "reduce-overhead", None, None)
-    assert inductor != CompileOnlyBackend("inductor", None, None, None)
-    assert inductor != CompileOnlyBackend("inductor", "reduce-overhead", {"triton.cudagraphs": False}, None)
+    inductor = RegionBackend("inductor", "reduce-overhead", None, None)
+    assert inductor == RegionBackend("inductor", "reduce-overhead", None, None)
+    assert inductor != RegionBackend("inductor", None, None, None)
+    assert inductor != RegionBackend("inductor", "reduce-overhead", {"triton.cudagraphs": False}, None)
 
 
 PAUSED_NAMES = itertools.count()
@@ -68,7 +68,7 @@ def draws_around_a_compile_on_another_thread(compile_only_thread: bool):
     paused = PausedCompile()
     name = f"paused_for_test_{next(PAUSED_NAMES)}"  # Dynamo's registry refuses a name twice
     torch._dynamo.register_backend(paused, name=name)
-    compiled = torch.compile(scale, backend=CompileOnlyBackend(name, None, None, None))
+    compiled = torch.compile(scale, backend=RegionBackend(name, None, None, None))
 
     def compile_in_background():
         with compile_only() if compile_only_thread else contextlib.nullcontext():

@@ -129,6 +129,8 @@ def test_ddp_trains_like_one_process(trained, name):
     assert "regions compiled in place inside DistributedDataParallel" in ddp["output"]
     assert ddp["summary"]["unique_graphs"] == single["summary"]["unique_graphs"] > 0
     assert ddp["summary"]["recompiles"] == single["summary"]["recompiles"]
+    # FLOPs counted during each rank's first step (its half of the batch), with no extra compile or call
+    assert ddp["summary"]["flops_per_step"] == single["summary"]["flops_per_step"] / 2 > 0
     ranks = ddp["summary"]["ranks"]
     assert ranks["ranks"] == 2 and ranks["divergent_recompile_ranks"] == []
     assert ranks["recompiles_by_rank"] == [single["summary"]["recompiles"]] * 2

@@ -7,11 +7,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from compile_trainer import CompileCallback
 from compile_trainer.schema import SettingsError, to_telemetry_config
 from tests import telemetry_models as models
+from tests import user_models
 
 SLOW_COMPILE_S = 1.5
 BATCH = 4
@@ -119,7 +121,8 @@ def test_wandb_offline_run_holds_series_event_table_and_summary(tmp_path):
     run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
 
     for key in ("compile/compiles", "compile/recompiles", "compile/graph_breaks", "compile/compile_time_s",
-                "compile/model.blocks/graphs", "throughput/step_time_s", "throughput/items_per_s"):  # fmt: skip
+                "compile/model.blocks/graphs", "throughput/step_time_s", "throughput/items_per_s",
+                "throughput/tokens_per_s", "throughput/samples_per_s"):  # fmt: skip
         assert len(run.series(key)) == 2, key
     assert run.series("throughput/compile_step_time_s"), "the compile step is reported on its own"
 
@@ -128,6 +131,7 @@ def test_wandb_offline_run_holds_series_event_table_and_summary(tmp_path):
                 "steady_items_per_s", "steady_samples_per_s", "flops_per_step", "steady_tflops"}  # fmt: skip
     assert headline <= set(summary), headline - set(summary)
     assert summary["steady_items_per_s"] == pytest.approx(16 * 32 / summary["steady_step_time_s"]), "tokens/s"
+    assert summary["steady_tokens_per_s"] == summary["steady_padded_tokens_per_s"] == summary["steady_items_per_s"]
     assert summary["graph_breaks"] == 0 and summary["compile_time_s"] > 0
 
     events = run.table("compile/events")
@@ -139,3 +143,150 @@ def test_wandb_offline_run_holds_series_event_table_and_summary(tmp_path):
     regions = run.table("compile/regions")
     labels = ["model.embed", "model.blocks", "model.head"]
     assert [row[0] for row in regions["data"]] == labels
+
+
+class DropInLlama(pl.LightningModule):
+    """A Hugging Face model in a plain LightningModule, with HF batches whose last row is padded."""
+
+    def __init__(self, padded: int = 5, **config):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = user_models.tiny_llama(use_cache=False, **config)
+        self.padded = padded
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        batches = []
+        for _ in range(8):
+            ids = torch.randint(1, user_models.VOCAB, (BATCH, LENGTH), generator=generator)
+            mask = torch.ones_like(ids)
+            mask[-1, LENGTH - self.padded :] = 0
+            batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        return DataLoader(batches, batch_size=None)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+LENGTH = 16
+
+
+def test_tokens_samples_and_mfu_of_a_drop_in_hf_model_need_no_configuration(tmp_path):
+    """Tokens/s (real ones by the attention mask, and with padding), samples/s and MFU of a drop-in LightningModule
+    with HF batches: in the summary, the W&B series and the printed table. Only the CPU's peak is given (MFU)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from compile_trainer.runs.wandb_offline import read_offline_run
+
+    callback = CompileCallback("regional", backend="eager", telemetry={"peak_tflops": 1e-3, "log_every_n_steps": 2})
+    trainer = pl.Trainer(
+        max_steps=8,
+        logger=WandbLogger(save_dir=tmp_path, offline=True),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        callbacks=[callback],
+    )
+    trainer.fit(DropInLlama())
+    trainer.logger.experiment.finish()
+    summary = callback.summary()
+
+    real, positions = BATCH * LENGTH - 5, BATCH * LENGTH
+    time = summary["steady_step_time_s"]
+    assert summary["steady_steps"] >= 6
+    assert summary["steady_tokens_per_s"] == pytest.approx(real / time)
+    assert summary["steady_padded_tokens_per_s"] == pytest.approx(positions / time)
+    assert summary["steady_samples_per_s"] == pytest.approx(BATCH / time)
+    assert summary["steady_items_per_s"] == summary["steady_tokens_per_s"], "items are tokens unless told otherwise"
+    assert summary["flops_per_step"] > 0 and summary["mfu"] == pytest.approx(summary["steady_tflops"] / 1e-3)
+
+    run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
+    tokens, padded, samples = (run.series(f"throughput/{key}") for key in ("tokens_per_s", "padded_tokens_per_s",
+                                                                            "samples_per_s"))  # fmt: skip
+    assert len(tokens) == len(padded) == len(samples) >= 3
+    for real_rate, padded_rate, sample_rate in zip(tokens, padded, samples):
+        assert real_rate / sample_rate == pytest.approx(real / BATCH)
+        assert padded_rate / sample_rate == pytest.approx(positions / BATCH)
+    assert run.series("throughput/mfu") and run.series("throughput/tflops")
+    assert run.summary["summary/steady_tokens_per_s"] == pytest.approx(summary["steady_tokens_per_s"])
+    assert run.summary["summary/mfu"] == pytest.approx(summary["mfu"])
+
+    table = callback.telemetry.format_summary(summary)  # what the end of fit prints
+    tokens_text = (
+        f"{summary['steady_tokens_per_s']:,.0f} tokens/s ({summary['steady_padded_tokens_per_s']:,.0f} with padding)"
+    )
+    assert tokens_text in table and f"{summary['steady_samples_per_s']:,.1f} samples/s" in table
+    assert f"MFU {summary['mfu'] * 100:,.1f} %" in table
+
+
+def test_images_count_as_samples_and_no_tokens_are_made_up(tmp_path):
+    """An image batch ``(pixels, classes)``: samples/s are images/s; no tokens/s, and no items/s, are reported."""
+    module = ImageClassifier()
+    callback = CompileCallback("regional", backend="eager", telemetry={"print_summary": False})
+    fit(module, callback, steps=6, tmp_path=tmp_path)
+    summary = callback.summary()
+    assert summary["steady_samples_per_s"] == pytest.approx(BATCH / summary["steady_step_time_s"])
+    assert summary["steady_tokens_per_s"] is None and summary["steady_padded_tokens_per_s"] is None
+    assert summary["steady_items_per_s"] is None and summary["flops_per_step"] > 0
+
+
+class ImageClassifier(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = user_models.TimmViT()
+
+    def training_step(self, batch, batch_idx):
+        images, classes = batch
+        return torch.nn.functional.cross_entropy(self.model(images), classes)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        images = torch.randn(8 * BATCH, 3, user_models.IMAGE, user_models.IMAGE, generator=generator)
+        classes = torch.randint(0, 10, (8 * BATCH,), generator=generator)
+        return DataLoader(TensorDataset(images, classes), batch_size=BATCH)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class RecordsCudaGraphs(models.TinyRegression):
+    """Steps 3 and 4 fire the compile callbacks as Inductor's CUDA graph trees do when they record a graph (the
+    CPU has no CUDA graphs to record)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx in (3, 4):
+            with torch._dynamo.callback.callback_handler.install_callbacks(
+                torch._dynamo.callback.CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"
+            ):
+                pass
+        return super().training_step(batch, batch_idx)
+
+
+def test_steps_that_record_cuda_graphs_are_not_steady(tmp_path):
+    policy = {"rules": [{"name": "net.blocks", "action": "regional"}], "backend": "eager"}
+    callback = CompileCallback(policy, telemetry={"print_summary": False})
+    fit(RecordsCudaGraphs(batch_size=BATCH), callback, steps=8, tmp_path=tmp_path)
+    summary = callback.summary()
+    assert (summary["steps"], summary["compile_steps"], summary["cudagraph_recording_steps"]) == (8, 3, 2)
+    assert summary["steady_steps"] == 5 and summary["warmup_steps"] == 0, "the FLOPs were counted in the compile step"
+
+
+def test_without_compiles_the_counted_step_is_a_warm_up_step(tmp_path):
+    """Under ``none`` nothing compiles: the step whose FLOPs were counted (every op through a dispatch mode) is
+    still kept out of steady state, as a warm-up step."""
+    callback = CompileCallback("none", telemetry={"print_summary": False})
+    fit(models.TinyRegression(batch_size=BATCH), callback, steps=6, tmp_path=tmp_path)
+    summary = callback.summary()
+    assert (summary["steps"], summary["compile_steps"], summary["warmup_steps"], summary["steady_steps"]) == (
+        6,
+        0,
+        1,
+        5,
+    )
+    assert summary["warmup_steps_time_s"] > 0 and summary["compiles"] == 0
+    assert summary["flops_per_step"] == step_flops() > 0

@@ -1,9 +1,9 @@
 """Models nobody here wrote, from configs with random weights (nothing is downloaded), in a LightningModule.
 
-Hugging Face transformers' Llama, GPT-2, BERT, T5 (an encoder-decoder), ViT and ResNet, and a torchvision-style
+Hugging Face transformers' Llama, GPT-2, BERT, T5 (an encoder-decoder), ViT and ResNet, a torchvision-style
 ResNet-18 (the staged CNN timm and torchvision build: BasicBlocks in four stages of widths 64..512 scaled down, a
-downsampling block opening stages 2-4), rebuilt here because timm and torchvision cannot be installed beside the
-CPU torch.
+downsampling block opening stages 2-4) and timm's VisionTransformer (``TimmViT``), rebuilt here because timm and
+torchvision cannot be installed beside the CPU torch (timm imports torchvision).
 """
 
 from typing import Callable, Dict
@@ -125,6 +125,64 @@ class StagedResNet(nn.Module):
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         logits = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
         return nn.functional.cross_entropy(logits, labels)
+
+
+class TimmAttention(nn.Module):
+    """timm's ``Attention``: one qkv projection, (identity) q/k norms, fused attention, an output projection."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, length, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = nn.functional.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v)
+        return self.proj(x.transpose(1, 2).reshape(batch, length, dim))
+
+
+class TimmBlock(nn.Module):
+    """timm's ViT ``Block``: pre-norm attention and MLP, each with (identity) layer scale and drop path."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4):
+        super().__init__()
+        self.norm1, self.attn, self.ls1, self.drop_path1 = (
+            nn.LayerNorm(dim),
+            TimmAttention(dim, num_heads),
+            nn.Identity(),
+            nn.Identity(),
+        )
+        self.norm2, self.ls2, self.drop_path2 = nn.LayerNorm(dim), nn.Identity(), nn.Identity()
+        self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class TimmViT(nn.Module):
+    """timm's ``VisionTransformer`` (vit_*_patch*): conv patch embedding, class token, learned position embedding,
+    blocks in an ``nn.Sequential``, final norm, class-token pooling, linear head; returns logits."""
+
+    def __init__(
+        self, image: int = IMAGE, patch: int = 8, dim: int = 32, depth: int = 3, heads: int = 4, classes: int = 10
+    ):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, patch, patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        self.blocks = nn.Sequential(*(TimmBlock(dim, heads) for _ in range(depth)))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(pixels).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.head(self.norm(self.blocks(x))[:, 0])
 
 
 def token_batches(count: int, seed: int, mask_labels: bool = False):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from compile_trainer import compat
-from compile_trainer.compiling.backends import CompileOnlyBackend
+from compile_trainer.compiling.backends import RegionBackend
 from compile_trainer.compiling.block_values import SharedFloats, float_values, passes_kv_cache, train_without_cache
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
@@ -51,8 +51,6 @@ class CompiledRegion:
     entry_key: str
     compile_kwargs: Dict[str, Any]
     calls: int = 0
-    # Compiled by a background thread: with a backend whose graphs it can compile without running them.
-    background: bool = False
     # Watches the entry's compiles where its blocks differ in floats (``block_values.SharedFloats``).
     guard_filter: Optional[Callable[[Sequence[Any]], List[bool]]] = None
     # The entry of this block's own that calls passing a KV cache run (``region.indices``), once one came.
@@ -65,13 +63,13 @@ class CompiledRegion:
 
     def compile_on(self, module: nn.Module, entry: Optional[types.FunctionType] = None) -> Callable[..., Any]:
         """``torch.compile`` of the entry (or ``entry``) bound to ``module``: every module given here shares one
-        cache entry."""
+        cache entry. The backend is a ``RegionBackend`` (graphs that a background thread compiles without running
+        them, and whose calls the telemetry's FLOPs count observes) of the settings' backend, mode and options."""
         kwargs = dict(self.compile_kwargs)
-        if self.background:
-            backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
-            kwargs["backend"] = CompileOnlyBackend(*backend)
-        if self.guard_filter is not None and entry is None:
-            kwargs = _with_guard_filter(kwargs, self.guard_filter)
+        backend = kwargs.pop("backend"), kwargs.pop("mode"), kwargs.pop("options"), kwargs["dynamic"]
+        kwargs["backend"] = RegionBackend(*backend)
+        if self.guard_filter is not None and entry is None:  # torch.compile takes it out of the options
+            kwargs["options"] = {"guard_filter_fn": self.guard_filter}
         return torch.compile(types.MethodType(entry or self.entry, module), **kwargs)
 
     def route(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Callable[..., Any]]:
@@ -83,14 +81,6 @@ class CompiledRegion:
             self.cache_entry = _entry_function(type(self.region.module), f"{self.entry_key}@{self.region.name}+cache")
             self.cache_call = self.compile_on(self.region.module, self.cache_entry)
         return self.cache_call
-
-
-def _with_guard_filter(kwargs: Dict[str, Any], guard_filter: Callable[..., Any]) -> Dict[str, Any]:
-    """``torch.compile`` arguments with a guard filter, which travels in ``options`` (beside no ``mode``)."""
-    mode, options = kwargs.pop("mode", None), dict(kwargs.get("options") or {})
-    if mode:
-        options = {**compat.inductor_mode_options(mode), **options}
-    return {**kwargs, "options": {**options, "guard_filter_fn": guard_filter}}
 
 
 @dataclass
@@ -394,9 +384,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         key = repr(sorted(kwargs.items())) + (region.structure if region.role == "block" else f"@{region.name}")
         cls = type(region.module)
         entry = _entry_function(cls, key)
-        item = CompiledRegion(
-            region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs, background=policy.background
-        )
+        item = CompiledRegion(region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs)
         if region.shared_floats:
             floats = shared_floats.get(item.entry_key)
             if floats is None:

@@ -190,6 +190,8 @@ class CompileCallback(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_shape_hooks()
+        if self.telemetry is not None:
+            self.telemetry.stop()
 
     def _remove_shape_hooks(self) -> None:
         if self.shape_hooks is not None:
@@ -202,6 +204,10 @@ class CompileCallback(pl.Callback):
         self.applied.begin_step()
         if self.telemetry is not None:
             self.telemetry.on_train_batch_start(trainer, batch)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.telemetry is not None:
+            self.telemetry.on_before_optimizer_step(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.telemetry is not None:

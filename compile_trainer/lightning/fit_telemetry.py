@@ -13,17 +13,25 @@ import contextlib
 import importlib
 import logging
 import re
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from compile_trainer import compat
 from compile_trainer.compiling.regions import AppliedPolicy
-from compile_trainer.lightning.batch_hooks import logging_disabled
 from compile_trainer.schema import SettingsError, TelemetryConfig
 from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
-from compile_trainer.telemetry.throughput import ThroughputMeter, device_peak_flops, measure_step_flops, precision_dtype
+from compile_trainer.telemetry.flops import StepFlopCount
+from compile_trainer.telemetry.throughput import (
+    COMPILE,
+    STEADY,
+    WARMUP,
+    ThroughputMeter,
+    device_peak_flops,
+    precision_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +64,31 @@ class FitTelemetry:
         self.config = config
         self.items_fn = resolve_callable(config.items_fn, "items_fn")
         self.samples_fn = resolve_callable(config.samples_fn, "samples_fn")
+        self.tokens_fn = resolve_callable(config.tokens_fn, "tokens_fn")
         self.compile: Optional[CompileTelemetry] = None
         self.throughput: Optional[ThroughputMeter] = None
         self._flops: Optional[float] = config.flops_per_step
-        self._count_flops_of: Optional[pl.LightningModule] = None  # at the next training batch
+        self._count_flops = False  # at the next training batch
+        self._flop_count: Optional[StepFlopCount] = None  # counting the FLOPs of the step under way
+        self._counted_step = False  # the step under way is (was) the one counted: not a steady step
         self._steps = 0
         self._logged_steps = 0
         self._compiles_at_start = 0
+        self._recordings_at_start = 0
         # Other parts' headline numbers by part (``"padding"``), merged into ``summary()``
         self.summary_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
 
     # -- hooks --------------------------------------------------------------------------------------
 
     def before_policy(self, pl_module: pl.LightningModule) -> None:
-        """The model's first fit (its policy is about to be applied): count its FLOPs at the first training batch,
+        """The model's first fit (its policy is about to be applied): count the FLOPs of its first training step,
         unless ``flops_per_step`` is given or ``measure_flops`` is off. A later fit of the same model keeps them."""
         if self._flops is None and self.config.measure_flops:
-            self._count_flops_of = pl_module
+            problem = compat.flop_counting_problem()
+            if problem is None:
+                self._count_flops = True
+            else:
+                log.warning("FLOPs per step not measured: %s; set telemetry.flops_per_step to get MFU", problem)
 
     def start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, applied: Optional[AppliedPolicy]) -> None:
         if self.compile is None:
@@ -85,7 +101,7 @@ class FitTelemetry:
             log.info("peak FLOP/s of %s unknown: set telemetry.peak_tflops to get MFU", torch.cuda.get_device_name())
         if self.throughput is None:
             self.throughput = ThroughputMeter(
-                device, self.samples_fn, self.items_fn, self.config.items_per_sample, self._flops, peak
+                device, self.samples_fn, self.items_fn, self.config.items_per_sample, self._flops, peak, self.tokens_fn
             )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -108,17 +124,33 @@ class FitTelemetry:
     def on_train_batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         self.compile.ensure_installed()
         self.compile.phase, self.compile.step = "train", trainer.global_step
-        if self._count_flops_of is not None:
-            module, self._count_flops_of = self._count_flops_of, None
-            self._measure_flops(trainer, module, batch)
         self._compiles_at_start = self.compile.compile_count
-        self.throughput.step_start()
+        self._recordings_at_start = self.compile.cudagraph_recordings
+        self.throughput.step_start(batch)
+        if self._flop_count is not None:  # the last batch never ended (on_train_batch_start returned -1): again
+            self._flop_count.abort()
+            self._flop_count, self._count_flops = None, True
+        self._counted_step = self._count_flops
+        if self._count_flops:
+            self._count_flops = False
+            self._flop_count = StepFlopCount()
+            self._flop_count.start()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer) -> None:
+        """Automatic optimization: the step's forward and backward are done; the optimizer's update is not counted.
+        (Manual optimization steps optimizers inside ``training_step``: its count goes on to the batch's end.)"""
+        if self._flop_count is not None and trainer.lightning_module.automatic_optimization:
+            self._finish_flop_count()
 
     def on_train_batch_end(self, trainer: pl.Trainer, batch: Any, compiling: bool = False) -> None:
         """``compiling``: a compile was under way during the step elsewhere (a background compile), so the
         step does not count as steady state either."""
+        if self._flop_count is not None:
+            self._finish_flop_count()
         compiled = self.compile.compile_count != self._compiles_at_start
-        self.throughput.step_end(batch, compiled or compiling)
+        recorded = self.compile.cudagraph_recordings != self._recordings_at_start
+        kind = COMPILE if compiled or compiling else WARMUP if self._counted_step else STEADY
+        self.throughput.step_end(kind, recorded_cuda_graphs=recorded)
         if compiled:
             self.compile.collect()
         self._steps += 1
@@ -138,33 +170,26 @@ class FitTelemetry:
             rank_zero_info(self.format_summary(summary))
 
     def stop(self) -> None:
+        if self._flop_count is not None:  # the step failed before its end
+            self._flop_count.abort()
+            self._flop_count = None
         if self.compile is not None:
             self.compile.uninstall()
 
     # -- measurements -------------------------------------------------------------------------------
 
-    def _measure_flops(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> None:
-        """FLOPs of one training step, counted on this batch before its step (``measure_step_flops``: one eager
-        forward and backward that leaves no trace), under the step's precision context with ``self.log`` muted."""
-        if not module.automatic_optimization:
-            log.warning(
-                "FLOPs per step not measured: manual optimization (training_step runs its own backward and optimizer "
-                "step, so it cannot run once more without effect); set telemetry.flops_per_step to get TFLOP/s and MFU"
-            )
-            return
+    def _finish_flop_count(self) -> None:
+        """The FLOPs of the step just run (``telemetry.flops.StepFlopCount``), for TFLOP/s and MFU."""
+        count, self._flop_count = self._flop_count, None
         try:
-            with logging_disabled(module), _train_step_context(trainer):
-                self._flops = float(measure_step_flops(module, batch)) or None
-        except Exception as error:  # out of memory, a training_step that cannot run twice, ...
+            self._flops = float(count.finish()) or None
+        except Exception as error:  # a compiled graph that cannot run on fake tensors, ...
             log.warning(
                 "FLOPs per step not measured (%s: %s); set telemetry.flops_per_step to get TFLOP/s and MFU",
                 type(error).__name__,
                 str(error).strip().splitlines()[0] if str(error).strip() else "",
             )
         self.throughput.flops_per_step = self._flops
-        if module.device.type == "cuda":  # the eager step's memory: neither kept cached nor reported as the fit's
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(module.device)
 
     def metrics(self) -> Dict[str, float]:
         """Series for the loggers: compile counts so far and throughput since the last call."""
@@ -242,13 +267,21 @@ class FitTelemetry:
             value = summary.get(key)
             return "-" if value is None else f"{value / scale:,.{digits}f}{unit}"
 
+        recorded = summary["cudagraph_recording_steps"]
+        padded = summary.get("steady_padded_tokens_per_s")
+        items, tokens = summary.get("steady_items_per_s"), summary.get("steady_tokens_per_s")
         lines = [
             self.compile.format_report(),
             "throughput",
-            f"  steps {summary['steps']} ({summary['compile_steps']} with compiles, "
-            f"{show('compile_steps_time_s', unit=' s')} in them; first step {show('first_step_time_s', unit=' s')})",
+            f"  steps {summary['steps']} ({summary['compile_steps']} with compiles"
+            + (f" or CUDA-graph recordings ({recorded})" if recorded else "")
+            + f", {show('compile_steps_time_s', unit=' s')} in them; "
+            + (f"{summary['warmup_steps']} warm-up (FLOPs counted); " if summary["warmup_steps"] else "")
+            + f"first step {show('first_step_time_s', unit=' s')})",
             f"  steady step {show('steady_step_time_s', 1e-3, ' ms')}, {show('steady_steps_per_s')} steps/s, "
-            f"{show('steady_samples_per_s', digits=1)} samples/s, {show('steady_items_per_s', digits=0)} items/s",
+            f"{show('steady_samples_per_s', digits=1)} samples/s, {show('steady_tokens_per_s', digits=0)} tokens/s"
+            + (f" ({show('steady_padded_tokens_per_s', digits=0)} with padding)" if padded is not None else "")
+            + (f", {show('steady_items_per_s', digits=0)} items/s" if items not in (None, tokens) else ""),
             f"  {show('steady_tflops')} TFLOP/s achieved, MFU {show('mfu', 0.01, ' %', 1)}, "
             f"peak memory {show('peak_memory_bytes', 2**30, ' GiB')}",
             f"  compile time {show('compile_time_s', unit=' s')}, {summary['recompiles']} recompiles "
@@ -272,12 +305,6 @@ def cache_metrics(cache_summary: Dict[str, Any]) -> Dict[str, float]:
     values = {f"cache/{key[len('cache_') :]}": value for key, value in cache_summary.items()}
     numbers = {key: float(value) for key, value in values.items() if isinstance(value, (int, float))}
     return numbers | {"cache/hit": float(cache_summary.get("cache_status") == "hit")}
-
-
-def _train_step_context(trainer: pl.Trainer) -> ContextManager[None]:
-    """The training step's precision context (autocast under mixed precision), so the count runs as the step does."""
-    plugin = getattr(trainer, "precision_plugin", None)  # None: a stand-in (benchmarks/telemetry_overhead.py)
-    return plugin.train_step_context() if plugin is not None else contextlib.nullcontext()
 
 
 def _is_wandb(logger: Any) -> bool:

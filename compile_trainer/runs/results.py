@@ -41,7 +41,8 @@ def _train_time(result: Dict[str, Any]) -> Optional[float]:
     step, steady = summary.get("steady_step_time_s"), summary.get("steady_steps")
     if summary.get("compile_steps_time_s") is None or (steady and step is None):
         return None
-    return summary["compile_steps_time_s"] + (step or 0.0) * (steady or 0)
+    warmup = summary.get("warmup_steps_time_s") or 0.0  # the step whose FLOPs were counted, if it compiled nothing
+    return summary["compile_steps_time_s"] + warmup + (step or 0.0) * (steady or 0)
 
 
 def final_loss(result: Dict[str, Any]) -> Optional[float]:

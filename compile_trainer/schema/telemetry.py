@@ -11,13 +11,15 @@ class TelemetryConfig:
     """What the compile and throughput telemetry measures (``telemetry`` in the Hydra config)."""
 
     enabled: bool = True
-    # Items for items/s (tokens for the recipes): a fixed number per sample, or a function of the batch.
-    items_per_sample: Optional[int] = None
-    # "package.module:function" taking the batch and returning an int (in Python, the function itself).
-    items_fn: Optional[str] = None
+    # Tokens per batch for tokens/s: "package.module:function" taking the batch and returning an int (in Python, the
+    # function itself); default: the batch's token ids (input_ids, or the first of a tuple), real ones by its mask.
+    tokens_fn: Optional[str] = None
     # Samples per batch, likewise; default: the leading dimension of the batch's first tensor.
     samples_fn: Optional[str] = None
-    # Count the model FLOPs of one step once (at the first batch), for TFLOP/s and MFU.
+    # Items for items/s, in a unit of your own: a fixed number per sample, or a function of the batch; default: tokens.
+    items_per_sample: Optional[int] = None
+    items_fn: Optional[str] = None
+    # Count the model FLOPs of the first training step while it runs, for TFLOP/s and MFU.
     measure_flops: bool = True
     # FLOPs of one step, instead of measuring them.
     flops_per_step: Optional[float] = None

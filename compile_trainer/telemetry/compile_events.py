@@ -43,6 +43,7 @@ APPLY_FILE = str(Path(__file__).resolve().parents[1] / "compiling" / "regions.py
 OUTSIDE_REGIONS = "outside_regions"
 # Compiles in a phase named so (``shapes.warmup``: one graph per bucket, on purpose) are not recompiles.
 WARMUP_PHASE = "warm-up"
+CUDAGRAPH_RECORDING = "CUDAGRAPH_RECORDING"  # the compile callbacks' trigger while Inductor records CUDA graphs
 EVENT_COLUMNS = ("kind", "region", "phase", "step", "compile_id", "reason", "location", "fix")
 
 
@@ -193,6 +194,7 @@ class CompileTelemetry:
         self.step: Optional[int] = None
         self.phase = "setup"
         self.compile_count = 0  # compiles started, any trigger: a step during which it changes is a compile step
+        self.cudagraph_recordings = 0  # of which CUDA-graph recordings (Inductor's CUDAGRAPH_RECORDING trigger)
         self.compile_time_s = 0.0
         self.unique_graphs = 0
         self.events: List[CompileEvent] = []
@@ -282,6 +284,7 @@ class CompileTelemetry:
             cache_before=_cache_lookups(),
         )
         self.compile_count += 1
+        self.cudagraph_recordings += trigger == CUDAGRAPH_RECORDING
 
     def _on_end(self, args: Any) -> None:
         record, self._active = self._active, None

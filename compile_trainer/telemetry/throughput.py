@@ -1,29 +1,36 @@
-"""Throughput: step time, steps/s, samples/s, items/s, achieved FLOP/s and MFU, peak device memory.
+"""Throughput: step time, steps/s, samples/s, tokens/s, items/s, achieved FLOP/s and MFU, peak device memory.
 
 A step is timed from its start to its end (in Lightning: ``on_train_batch_start`` to
 ``on_train_batch_end``, so forward, backward and optimizer step, without data loading or validation).
-Steps during which something compiled ("compile steps") are reported separately and never enter the
-steady-state figures. On CUDA each step is bracketed by two CUDA events on the current stream that
-are read back lazily (``Event.query()``): timing adds no synchronization to a step. Only
-``summary(wait=True)`` synchronizes, once, on the last step's event.
+Steps during which something compiled ("compile steps", CUDA-graph recordings included) and the step whose FLOPs
+were counted ("warm-up steps") are reported separately and never enter the steady-state figures. On CUDA each step
+is bracketed by two CUDA events on the current stream that are read back lazily (``Event.query()``): timing adds no
+synchronization to a step. Only ``summary(wait=True)`` synchronizes, once, on the last step's event.
+
+Tokens are counted with no configuration where the batch says which entry holds them (``token_counts``): a mapping
+with ``input_ids`` (or ``inputs``, ``tokens``) of integer ids, with an ``attention_mask`` saying which are real, or
+a tuple/list whose first element is integer ids of shape (batch, length). A count that needs the device (the mask's
+sum) is copied to the host without waiting and read once the step is done.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 import warnings
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from compile_trainer import compat
+from compile_trainer.schema.shapes import ROLE_NAMES
 
 BatchCounter = Callable[[Any], int]
+Count = Union[int, torch.Tensor]  # a tensor: on the host, filled once the step is done
+COMPILE, WARMUP, STEADY = "compile", "warm-up", "steady"  # kinds of steps
 
 
 def default_samples(batch: Any) -> int:
@@ -33,12 +40,66 @@ def default_samples(batch: Any) -> int:
     return extract_batch_size(batch)
 
 
+def _token_ids(value: Any) -> Optional[torch.Tensor]:
+    integer = isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
+    return value if integer and value.dtype is not torch.bool and value.dim() >= 2 else None
+
+
+def token_counts(batch: Any) -> Optional[Tuple[Count, int]]:
+    """(real tokens, positions) of a batch of token ids, or None where the batch holds none it can tell.
+
+    Real tokens are the attention mask's nonzero entries where the batch has a mask of the ids' shape, else every
+    position. On a GPU the real count is a host tensor filled without synchronizing (read it after the step).
+    """
+    ids, mask = None, None
+    if isinstance(batch, Mapping):
+        ids = next((found for n in ROLE_NAMES["tokens"] if (found := _token_ids(batch.get(n))) is not None), None)
+        mask = next((batch.get(n) for n in ROLE_NAMES["attention_mask"] if n in batch), None)
+    elif isinstance(batch, (list, tuple)) and batch:
+        ids = _token_ids(batch[0])
+    if ids is None:
+        return None
+    positions = ids.numel()
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        return positions, positions
+    real = mask.count_nonzero()
+    if real.device.type == "cpu":
+        return int(real), positions
+    return real.to("cpu", non_blocking=True), positions
+
+
+def _read(count: Optional[Count]) -> Optional[int]:
+    return int(count) if count is not None else None
+
+
 @dataclass
 class _Totals:
     steps: int = 0
     seconds: float = 0.0
     samples: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
     items: int = 0
+
+    def add(self, seconds: float, samples: int, tokens: Optional[int], padded: Optional[int], items: Optional[int]):
+        self.steps += 1
+        self.seconds += seconds
+        self.samples += samples
+        self.tokens += tokens or 0
+        self.padded_tokens += padded or 0
+        self.items += items or 0
+
+
+@dataclass
+class _Step:
+    """What a step carries to its reading: its kind and the batch's counts."""
+
+    kind: str = STEADY
+    recorded_cuda_graphs: bool = False
+    samples: int = 0
+    tokens: Optional[Count] = None
+    padded_tokens: Optional[int] = None
+    items: Optional[Count] = None
 
 
 class _HostClock:
@@ -101,7 +162,8 @@ class ThroughputMeter:
     Args:
         device: where the steps run (CUDA: event timing; otherwise wall clock).
         samples_fn: batch -> number of samples (default: the leading dimension of its first tensor).
-        items_fn: batch -> number of items (tokens for the recipes); or give ``items_per_sample``.
+        tokens_fn: batch -> number of (real) tokens (default: ``token_counts``, which also gives padded tokens).
+        items_fn: batch -> number of items; or give ``items_per_sample``; default: the tokens.
         flops_per_step: model FLOPs of one step (forward + backward), for TFLOP/s and MFU.
         peak_flops: the device's peak FLOP/s, for MFU.
     """
@@ -114,59 +176,92 @@ class ThroughputMeter:
         items_per_sample: Optional[int] = None,
         flops_per_step: Optional[float] = None,
         peak_flops: Optional[float] = None,
+        tokens_fn: Optional[BatchCounter] = None,
     ) -> None:
         self.device = torch.device(device)
         self.samples_fn = samples_fn or default_samples
+        self.tokens_fn = tokens_fn
         self.items_fn = items_fn
         self.items_per_sample = items_per_sample
         self.flops_per_step = flops_per_step
         self.peak_flops = peak_flops
         self._clock = _CudaClock(self.device) if self.device.type == "cuda" else _HostClock()
-        self.steady = _Totals()
-        self.compiling = _Totals()
+        self.totals: Dict[str, _Totals] = {kind: _Totals() for kind in (COMPILE, WARMUP, STEADY)}
+        self.cudagraph_recording_steps = 0
         self.first_step_time_s: Optional[float] = None
-        self._interval_steady = _Totals()
-        self._interval_compiling = _Totals()
+        self.counts_tokens = tokens_fn is not None
+        self.counts_padded_tokens = False
+        self._interval: Dict[str, _Totals] = {kind: _Totals() for kind in self.totals}
+        self._step: Optional[_Step] = None
 
-    def step_start(self) -> None:
+    @property
+    def steady(self) -> _Totals:
+        return self.totals[STEADY]
+
+    @property
+    def compiling(self) -> _Totals:
+        return self.totals[COMPILE]
+
+    def step_start(self, batch: Any) -> None:
+        """Start a step on ``batch`` (its counts are taken now, before the step's clock starts)."""
+        step = _Step(samples=int(self.samples_fn(batch)))
+        if self.tokens_fn is not None:
+            step.tokens = int(self.tokens_fn(batch))
+        elif (counted := token_counts(batch)) is not None:
+            step.tokens, step.padded_tokens = counted
+            self.counts_tokens = self.counts_padded_tokens = True
+        if self.items_fn is not None:
+            step.items = int(self.items_fn(batch))
+        elif self.items_per_sample is not None:
+            step.items = step.samples * int(self.items_per_sample)
+        else:
+            step.items = step.tokens
+        self._step = step
         self._clock.start()
 
-    def step_end(self, batch: Any, compiled: bool) -> None:
-        """End the step begun by ``step_start``; ``compiled``: something compiled during it."""
-        samples = int(self.samples_fn(batch))
-        if self.items_fn is not None:
-            items = int(self.items_fn(batch))
-        elif self.items_per_sample is not None:
-            items = samples * int(self.items_per_sample)
-        else:
-            items = 0
-        self._clock.stop((compiled, samples, items))
+    def step_end(self, kind: str = STEADY, recorded_cuda_graphs: bool = False) -> None:
+        """End the step begun by ``step_start``: ``kind`` is ``COMPILE`` (something compiled during it, or CUDA
+        graphs were recorded: ``recorded_cuda_graphs``), ``WARMUP`` (kept out of steady state for another reason)
+        or ``STEADY``."""
+        step, self._step = self._step, None
+        step.kind, step.recorded_cuda_graphs = kind, recorded_cuda_graphs
+        self._clock.stop(step)
         self._read(wait=False)
 
     def _read(self, wait: bool) -> None:
-        for seconds, (compiled, samples, items) in self._clock.completed(wait):
+        for seconds, step in self._clock.completed(wait):
             if self.first_step_time_s is None:
                 self.first_step_time_s = seconds
-            for totals in (
-                (self.compiling, self._interval_compiling) if compiled else (self.steady, self._interval_steady)
-            ):
-                totals.steps += 1
-                totals.seconds += seconds
-                totals.samples += samples
-                totals.items += items
+            self.cudagraph_recording_steps += step.recorded_cuda_graphs
+            counts = (step.samples, _read(step.tokens), step.padded_tokens, _read(step.items))
+            for totals in (self.totals[step.kind], self._interval[step.kind]):
+                totals.add(seconds, *counts)
 
     @property
     def counts_items(self) -> bool:
-        return self.items_fn is not None or self.items_per_sample is not None
+        return self.items_fn is not None or self.items_per_sample is not None or self.counts_tokens
 
     def _rates(self, totals: _Totals) -> Dict[str, Optional[float]]:
         if totals.steps == 0 or totals.seconds <= 0:
-            return dict.fromkeys(("step_time_s", "steps_per_s", "samples_per_s", "items_per_s", "tflops", "mfu"))
+            return dict.fromkeys(
+                (
+                    "step_time_s",
+                    "steps_per_s",
+                    "samples_per_s",
+                    "tokens_per_s",
+                    "padded_tokens_per_s",
+                    "items_per_s",
+                    "tflops",
+                    "mfu",
+                )  # fmt: skip
+            )
         achieved = self.flops_per_step * totals.steps / totals.seconds if self.flops_per_step else None
         return {
             "step_time_s": totals.seconds / totals.steps,
             "steps_per_s": totals.steps / totals.seconds,
             "samples_per_s": totals.samples / totals.seconds,
+            "tokens_per_s": totals.tokens / totals.seconds if self.counts_tokens else None,
+            "padded_tokens_per_s": totals.padded_tokens / totals.seconds if self.counts_padded_tokens else None,
             "items_per_s": totals.items / totals.seconds if self.counts_items else None,
             "tflops": achieved / 1e12 if achieved is not None else None,
             "mfu": achieved / self.peak_flops if achieved is not None and self.peak_flops else None,
@@ -180,11 +275,12 @@ class ThroughputMeter:
     def interval(self) -> Dict[str, float]:
         """Steady-state figures over the steps completed since the last call (``None`` values left out)."""
         self._read(wait=False)
-        figures: Dict[str, Optional[float]] = dict(self._rates(self._interval_steady))
-        if self._interval_compiling.steps:
-            figures["compile_step_time_s"] = self._interval_compiling.seconds / self._interval_compiling.steps
+        figures: Dict[str, Optional[float]] = dict(self._rates(self._interval[STEADY]))
+        compiling = self._interval[COMPILE]
+        if compiling.steps:
+            figures["compile_step_time_s"] = compiling.seconds / compiling.steps
         figures["peak_memory_bytes"] = self.peak_memory_bytes()
-        self._interval_steady, self._interval_compiling = _Totals(), _Totals()
+        self._interval = {kind: _Totals() for kind in self.totals}
         return {key: value for key, value in figures.items() if value is not None}
 
     def summary(self, wait: bool = True) -> Dict[str, Optional[float]]:
@@ -192,14 +288,19 @@ class ThroughputMeter:
         self._read(wait=wait)
         steady = self._rates(self.steady)
         return {
-            "steps": self.steady.steps + self.compiling.steps,
+            "steps": sum(totals.steps for totals in self.totals.values()),
             "compile_steps": self.compiling.steps,
+            "cudagraph_recording_steps": self.cudagraph_recording_steps,
+            "warmup_steps": self.totals[WARMUP].steps,
             "compile_steps_time_s": self.compiling.seconds,
+            "warmup_steps_time_s": self.totals[WARMUP].seconds,
             "first_step_time_s": self.first_step_time_s,
             "steady_steps": self.steady.steps,
             "steady_step_time_s": steady["step_time_s"],
             "steady_steps_per_s": steady["steps_per_s"],
             "steady_samples_per_s": steady["samples_per_s"],
+            "steady_tokens_per_s": steady["tokens_per_s"],
+            "steady_padded_tokens_per_s": steady["padded_tokens_per_s"],
             "steady_items_per_s": steady["items_per_s"],
             "flops_per_step": self.flops_per_step,
             "steady_tflops": steady["tflops"],
@@ -226,65 +327,6 @@ def preserved_training_state(module: nn.Module, device: torch.device) -> Iterato
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-
-
-@contextlib.contextmanager
-def compiled_calls_set_aside(module: nn.Module) -> Iterator[None]:
-    """Every submodule runs its own eager ``forward``: the compiled calls installed on them (a policy's regions,
-    with their interceptors; ``module.compile()``) are taken off, and put back afterwards."""
-    calls = [(m, call) for m in module.modules() if (call := compat.compiled_call(m)) is not None]
-    for submodule, _ in calls:
-        compat.install_compiled_call(submodule, None)
-    try:
-        yield
-    finally:
-        for submodule, call in calls:
-            compat.install_compiled_call(submodule, call)
-
-
-def training_step_loss(module: nn.Module, batch: Any) -> Any:
-    """A LightningModule's ``training_step`` loss (``None`` where it returns none), called as Lightning calls it."""
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
-    step = module.training_step
-    if is_param_in_hook_signature(step, "dataloader_iter", explicit=True):
-        raise ValueError("training_step takes a dataloader_iter: it cannot run once more on a given batch")
-    output = step(batch, 0) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else step(batch)
-    return output.get("loss") if isinstance(output, Mapping) else output
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
-    return tensor.device if tensor is not None else torch.device("cpu")
-
-
-def measure_step_flops(
-    module: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], Any] = training_step_loss
-) -> int:
-    """FLOPs of one forward + backward of ``loss_fn(module, batch)``, counted on the real module and batch.
-
-    ``torch.utils.flop_counter.FlopCounterMode`` counts the ATen ops of one eager run: compiled calls set aside,
-    any other ``torch.compile`` under ``set_stance("force_eager")``. Real tensors, so models that read values
-    (``.item()``, data-dependent shapes: most Hugging Face and timm models) are counted too. The run leaves no
-    trace (``preserved_training_state``: gradients, buffers such as BatchNorm's running statistics, and the
-    RNG streams are restored), but costs one eager forward and backward: its time, and the memory of an eager
-    step. Raises ``ValueError`` when ``loss_fn`` returns no tensor to differentiate.
-    """
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with (
-        preserved_training_state(module, _device_of(module)),
-        compiled_calls_set_aside(module),
-        torch.compiler.set_stance("force_eager"),
-        torch.enable_grad(),
-        counter,
-    ):
-        loss = loss_fn(module, batch)
-        if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-            raise ValueError(f"the step returned no loss to differentiate (got {type(loss).__name__})")
-        loss.backward()
-    return int(counter.get_total_flops())
 
 
 def precision_dtype(precision: str) -> torch.dtype:
