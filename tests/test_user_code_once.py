@@ -27,7 +27,7 @@ from tests.user_models import IMAGE, VOCAB, TimmViT, tiny_llama
 STEPS, BATCH, LENGTH = 3, 4, 16
 POLICIES = sorted(path.stem for path in (Path(__file__).parents[1] / "conf" / "compile").glob("*.yaml"))
 # Policies whose shapes section pads or marks token entries (by role: @tokens, @labels, ...).
-TOKEN_POLICIES = {"buckets", "buckets_auto", "dynamic", "dynamic_full"}
+TOKEN_POLICIES = {name for name in POLICIES if to_policy(name).shapes.active}
 # Nested compile regions need an AOT backend; the others trace fastest with eager.
 BACKENDS = {"regional_nested": "aot_eager"}
 
