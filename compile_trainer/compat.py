@@ -1014,6 +1014,9 @@ def _probe_flop_tally() -> None:
     with fake:
         product = fake.from_tensor(torch.ones(2, 3)) @ torch.ones(3, 4)  # a real tensor is taken in
     assert product.shape == (2, 4) and type(product).__name__ == "FakeTensor"
+    assert flop_counting_problem() is None, flop_counting_problem()
+    graph = torch.fx.symbolic_trace(lambda a, b: (a @ b).relu())
+    assert torch.equal(run_graph_inlining_subgraphs(graph, x, weight.detach()), block(x, weight.detach()))
 
 
 ENTRIES = [

@@ -187,7 +187,11 @@ def test_user_code_runs_once_per_step_and_flops_are_counted(policy, name, overri
     callback = CompileCallback(
         policy, print_plan=False, telemetry={"print_summary": False}, backend=backend, **overrides
     )
-    module, logged = train(name, callback)
+    try:
+        module, logged = train(name, callback)
+    finally:  # a policy stays applied after fit (a second fit reuses it): undo it, process-wide marks included
+        if callback.applied is not None:
+            callback.applied.remove()
     calls, seen, eager_logged = eager[name]
 
     assert module.calls == calls == STEPS, "training_step ran more often than Lightning ran it"
