@@ -81,7 +81,8 @@ def cudagraph_skips() -> int:
 # Dynamo's texts: matched where it gives no structured field (checked 2.9.1-2.13).
 FAIL_ON_RECOMPILE = "fail_on_recompile"  # the RuntimeError under set_stance("fail_on_recompile")
 GRAD_MODE_GUARD = "GLOBAL_STATE changed: grad_mode"  # recompile_reason when the graph checked was another grad mode's
-RECOMPILE_LIMIT_TEXTS = ("recompile limit", "cache_size_limit")  # fail_reason at the limit; wording changed in 2.10
+# fail_reason at the limit: "recompile_limit reached" (2.9.1), "recompile limit" (2.10+), "cache_size_limit" before
+RECOMPILE_LIMIT_TEXTS = ("recompile limit", "recompile_limit", "cache_size_limit")
 
 
 def is_fail_on_recompile(error: BaseException) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compile_trainer import CompileCallback
+from compile_trainer import CompileCallback, compat
 from compile_trainer.cache.bundle import BundleError, decode, encode
 from compile_trainer.cache.key import bundle_name, cache_key, key_fields
 from compile_trainer.cache.session import CompileCacheWarning
@@ -129,30 +129,36 @@ def _run(cache_dir: str, machine: Path, env: dict, *args: str) -> dict:
 
 
 def test_a_new_machine_loads_the_bundle_from_s3_and_compiles_less(s3_endpoint, tmp_path):
+    """From torch 2.11 the regions' traces travel too (the precompiled layer): the new machine compiles nothing;
+    before, Dynamo traces each region again and the backend's work comes from the bundle."""
+    precompiled = compat.aot_compile_problem() is None
     url = f"s3://{BUCKET}/runs"
     cold = _run(url, tmp_path / "machine1", s3_endpoint)
-    assert cold["cache_status"] == "miss" and cold["cache_saves"] >= 1
+    assert cold["cache_status"] == "miss" and cold["cache_saves"] >= 1 and cold["compiles"] > 0
     assert cold["cache_fx_graph_misses"] > 0 and all(misses > 0 for _, misses in cold["regions"].values())
-    assert cold["cache_precompiled_captures"] == cold["cache_precompiled_artifacts"] > 0
-    assert "compile cache: precompiling " in cold["output"]  # the pause at fit end is announced
+    if precompiled:
+        assert cold["cache_precompiled_captures"] == cold["cache_precompiled_artifacts"] > 0
+        assert "compile cache: precompiling " in cold["output"]  # the pause at fit end is announced
 
     warm = _run(url, tmp_path / "machine2", s3_endpoint, "--wandb-dir", str(tmp_path / "wandb"))
     assert warm["cache_status"] == "hit", warm["cache_reason"]
     assert warm["cache_key"] == cold["cache_key"]
     cold_compile_s = cold["compile_time_s"]  # the captures ran after training: not part of the cold compile
     assert warm["cache_cold_compile_s"] == pytest.approx(cold_compile_s, rel=0.05)
-    # every region call served by its precompiled artifact: Dynamo traced nothing, the backend compiled nothing
-    assert warm["cache_precompiled_hits"] > 0 and warm["cache_precompiled_misses"] == 0
-    assert warm["cache_fx_graph_misses"] == 0 and warm["compiles"] == warm["unique_graphs"] == 0 < cold["compiles"]
-    loads = warm["cache_load_s"] + warm["cache_precompiled_load_s"]
+    assert warm["cache_fx_graph_misses"] == 0 and "cache: hit, bundle of " in warm["output"]
+    if precompiled:  # every region call served by its artifact: Dynamo traced nothing, the backend compiled nothing
+        assert warm["cache_precompiled_hits"] > 0 and warm["cache_precompiled_misses"] == 0
+        assert warm["compiles"] == warm["unique_graphs"] == 0 and "call(s) served, 0 compiled" in warm["output"]
+    else:
+        assert warm["compiles"] == cold["compiles"] and warm["cache_fx_graph_hits"] > 0
+    loads = warm["cache_load_s"] + (warm.get("cache_precompiled_load_s") or 0)
     assert warm["cache_seconds_saved"] == pytest.approx(cold_compile_s - warm["compile_time_s"] - loads)
-    assert "cache: hit, bundle of " in warm["output"] and "call(s) served, 0 compiled" in warm["output"]
     assert warm["weights"] == cold["weights"]  # the bundle changed compile time, not results
     assert warm["cache_saves"] == 0 and "precompiling" not in warm["output"]  # nothing new: nothing rewritten
 
     run = read_offline_run(next((tmp_path / "wandb").rglob("run-*.wandb")))
     assert run.summary["summary/cache_status"] == "hit"
-    assert run.summary["summary/cache_precompiled_hits"] == warm["cache_precompiled_hits"]
+    assert run.summary["summary/compiles"] == warm["compiles"]
     assert run.series("cache/hit")[-1] == 1.0
 
     # without the precompiled layer, Dynamo traces again and the backend's work comes from the bundle
@@ -244,5 +250,9 @@ def test_the_runs_of_a_multirun_read_the_bundle_the_first_one_wrote(tmp_path):
     first, second = (read_result(directory / str(job) / RESULT_FILE)["summary"] for job in (0, 1))
     assert first["cache_status"] == "miss" and first["cache_saves"] >= 1
     assert second["cache_status"] == "hit" and second["cache_key"] == first["cache_key"]
-    assert second["cache_fx_graph_misses"] == 0 and second["cache_precompiled_hits"] > 0
-    assert second["cache_precompiled_misses"] == second["compiles"] == 0 < first["compiles"]
+    assert second["cache_fx_graph_misses"] == 0
+    if compat.aot_compile_problem() is None:  # torch >= 2.11: the regions' traces came with the bundle
+        assert second["cache_precompiled_hits"] > 0
+        assert second["cache_precompiled_misses"] == second["compiles"] == 0 < first["compiles"]
+    else:
+        assert second["compiles"] == first["compiles"] > 0 and second["cache_fx_graph_hits"] > 0
