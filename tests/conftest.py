@@ -17,6 +17,23 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+# Test files that take a minute or more on two cores (measured 2026-11-25, longest first). Under `-n 2 --dist loadfile`
+# a worker takes a whole file whenever it is free: these go out first, so that no worker ends up alone on one of them
+# at the end while the other has finished.
+LONG_FILES = (
+    "test_shapes_hf.py", "test_fsdp2.py", "test_distributed.py", "test_distributed_cache.py", "test_compile_cache.py",
+    "test_optimizer.py", "test_train_script.py", "test_shapes_training.py", "test_compile_cache_benchmark.py",
+    "test_real_models.py", "test_distributed_benchmark.py", "test_train_step_benchmark.py", "test_sweep.py",
+    "test_hf_varlen_benchmark.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    """The long files first (``LONG_FILES``), the others after them in their own order."""
+    rank = {name: index for index, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Each test starts with empty Dynamo caches, no compilation metrics of earlier tests (they are process-wide, and
