@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.common import PEAK_BF16_FLOPS, format_table, write_result  # noqa: E402
+from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
 VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
@@ -42,15 +43,9 @@ COLUMNS = [
 
 
 def build(name: str, smoke: bool) -> nn.Module:
+    """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in)."""
     if name == "llama":
-        import transformers
-
-        sizes = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
-        sizes |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-        if smoke:
-            sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-            sizes |= dict(num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, use_cache=False))
+        return build_model("llama", smoke)[0]
     import timm
 
     tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2) if smoke else {}
@@ -126,7 +121,6 @@ class StepClock:
 def worker(args: argparse.Namespace) -> Dict[str, Any]:
     import lightning.pytorch as pl
 
-    from benchmarks.real_models import count_flops
     from compile_trainer import CompileCallback
 
     on_gpu = torch.cuda.is_available() and not args.smoke
@@ -134,15 +128,12 @@ def worker(args: argparse.Namespace) -> Dict[str, Any]:
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
     device = torch.device("cuda" if on_gpu else "cpu")
-    flop_batch = data[0] if args.model == "llama" else data[0][0]
-    family = "lm" if args.model == "llama" else "image"
-    counted = net.to(device)
-    moved = (
-        {k: v.to(device) for k, v in data[0].items()}
-        if args.model == "llama"
-        else (flop_batch.to(device), data[0][1].to(device))
-    )
-    flops = count_flops(family, counted, moved["input_ids"] if family == "lm" else moved, autocast=on_gpu)
+    # real_models' FLOP count: a language model takes its ids as labels, a classifier (images, labels) with its loss
+    if args.model == "llama":
+        flops = count_flops("lm", net.to(device), data[0]["input_ids"].to(device), autocast=on_gpu)
+    else:
+        images, labels = (t.to(device) for t in data[0])
+        flops = count_flops("image", WithLoss(net).to(device), (images, labels), autocast=on_gpu)
     callbacks: List[Any] = []
     compile_callback = None
     if args.variant == "by_hand":
