@@ -75,12 +75,10 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
                 from recipes.gpt import GPT, GPTConfig
 
                 self.model = GPT(GPTConfig(**sizes))
-                self.blocks = self.model.blocks
             else:
                 import transformers
 
                 self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, use_cache=False))
-                self.blocks = self.model.model.layers
 
         def training_step(self, batch, batch_idx: int) -> torch.Tensor:
             inputs, targets = batch
@@ -99,7 +97,8 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
             if callback.policy.compiles_modules and getattr(self, APPLIED_ATTR, None) is None:
                 apply_policy(self, callback.policy)
             mesh = self.device_mesh["data_parallel"]
-            for block in self.blocks:
+            blocks = self.model.blocks if args.model == "gpt2" else self.model.model.layers
+            for block in blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
