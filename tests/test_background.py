@@ -19,6 +19,7 @@ from compile_trainer import (
     format_plan_table,
     to_policy,
 )
+from compile_trainer.compiling.background import shadow_module
 from tests.conftest import TINY_GPT, Wrapper
 from tests.test_apply import fit_tiny
 
@@ -179,3 +180,19 @@ def test_evaluation_calls_are_not_compiled_in_the_background(tiny_gpt):
     assert background.state == "compiling" and len(background.recorded) == 3
     background.close()
     assert background.installed
+
+
+def test_the_shadow_aliases_parameters_memory_but_not_their_autograd_state():
+    """The thread traces a shadow: the trained parameters' ``.grad`` (set and cleared by the training thread's
+    backward meanwhile) is never read from the thread; tied weights stay tied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
+    model[1].weight = model[0].weight  # tied, as a language model's head
+    model(torch.tensor([1, 2])).sum().backward()
+    shadow = shadow_module(model)
+    originals, aliases = list(model.parameters()), list(shadow.parameters())
+    assert len(aliases) == len(originals) == 2, "the tied weight appears once in the shadow too"
+    assert shadow[1].weight is shadow[0].weight
+    for original, alias in zip(originals, aliases):
+        assert alias is not original and alias.grad is None and original.grad is not None
+        assert alias.data_ptr() == original.data_ptr() and alias.requires_grad == original.requires_grad

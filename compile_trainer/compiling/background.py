@@ -8,8 +8,9 @@ step boundary after the thread is done the compiled regions take over.
 
 The thread's call compiles but does not run the compiled graph (``compile_trainer.backends``): nothing
 runs on the GPU from that thread, no random numbers are drawn, no activations are held. It calls a shadow
-of the region (the same parameters, its own module objects and buffers), so that a mode switch on the
-training thread (``model.eval()`` for validation) cannot change what is traced. It creates the Dynamo
+of the region (its own module objects, buffers, and parameters aliasing the same memory), so that nothing the
+training thread does meanwhile (``model.eval()`` for validation, a backward) changes what is traced or is
+touched by the trace. It creates the Dynamo
 cache entry that the real calls then hit: the same code object and backend, and guards that pass because
 the grad mode, autocast state and input metadata are the recorded ones. Kernel autotuning and, with CUDA
 graphs, warm-up and recording happen at the first compiled step, on the training thread. The compilers'
@@ -50,11 +51,25 @@ class BackgroundCompileError(RuntimeError):
     """A region failed to compile on the background thread."""
 
 
-def shadow_module(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` that shares its parameters but owns copies of its buffers (recursively)."""
+def shadow_module(module: nn.Module, aliases: Optional[Dict[int, nn.Parameter]] = None) -> nn.Module:
+    """A copy of ``module`` whose parameters alias the originals' memory and owns copies of its buffers
+    (recursively).
+
+    The aliases are parameters of their own (tied weights stay tied), so that the thread never touches the
+    autograd state of the parameters being trained: tracing reads each parameter's ``.grad`` to make its fake
+    tensor, while the training thread's backward and ``zero_grad`` set and clear the originals' (unsynchronized
+    in C++; a test worker crashed in a background compile).
+    """
+    aliases = {} if aliases is None else aliases
+    for parameter in module._parameters.values():
+        if parameter is not None and id(parameter) not in aliases:
+            aliases[id(parameter)] = nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
     shadow = copy.copy(module)
+    shadow.__dict__["_parameters"] = {k: None if p is None else aliases[id(p)] for k, p in module._parameters.items()}
     shadow.__dict__["_buffers"] = {k: None if b is None else b.detach().clone() for k, b in module._buffers.items()}
-    shadow.__dict__["_modules"] = {k: None if m is None else shadow_module(m) for k, m in module._modules.items()}
+    shadow.__dict__["_modules"] = {
+        k: None if m is None else shadow_module(m, aliases) for k, m in module._modules.items()
+    }
     return shadow
 
 
