@@ -173,10 +173,7 @@ def cases():
         for name in MODELS:
             if policy in TOKEN_POLICIES and name == "timm_vit":
                 continue  # their shapes sections name token entries, which an image batch has none of
-            marks = []
-            if policy.startswith("buckets"):
-                marks = [pytest.mark.xfail(strict=True, reason="shapes.warmup runs training_step once per bucket")]
-            yield pytest.param(policy, name, {}, marks=marks, id=f"{policy}-{name}")
+            yield pytest.param(policy, name, {}, id=f"{policy}-{name}")
             if policy.startswith("buckets"):
                 yield pytest.param(policy, name, {"shapes": {"warmup": False}}, id=f"{policy}-no_warmup-{name}")
 

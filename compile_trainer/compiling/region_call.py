@@ -8,6 +8,7 @@ it eagerly while a background thread compiles it) are ``Interceptor`` objects ad
 ========================  ==========================================================================
 ``MARK_INPUTS``           shapes: mark the region's inputs dynamic like the batch (before anything records them)
 ``STRICT_RECOMPILES``     shapes: after warm-up, a recompile is an error naming the region and the guard
+``BUCKET_WARMUP``         shapes: record a call that compiled, to compile it for every other bucket
 ``BACKGROUND``            background compile: record the first training call, run eagerly until compiled
 ``PRECOMPILED``           compile cache: serve the call from a loaded precompiled artifact, capture new compiles
 ========================  ==========================================================================
@@ -25,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 MARK_INPUTS = 10
 STRICT_RECOMPILES = 20
+BUCKET_WARMUP = 25
 BACKGROUND = 30
 PRECOMPILED = 40
 

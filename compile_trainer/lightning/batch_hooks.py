@@ -5,18 +5,17 @@ Lightning callbacks receive the batch but cannot replace it, and padding makes n
 runs the module's or datamodule's ``on_after_batch_transfer``), on the strategy instance, for the length of
 ``fit``: what it returns is what ``training_step``/``validation_step`` get, padded and marked on the device.
 
-The region-call interceptors (marking region inputs, strict recompiles) come from
-``compile_trainer.shapes.region_inputs``; they are added to the policy's chain at the first batch.
+The region-call interceptors (marking region inputs, strict recompiles, recording the calls that compile for
+the bucket warm-up) come from ``compile_trainer.shapes``; they are added to the policy's chain at the first
+batch. Warm-up replays the recorded calls at the next batch, before it is shaped (``shapes.bucket_warmup``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Set
+from typing import Any, Callable, ContextManager, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -27,32 +26,12 @@ from torch.utils.data import DataLoader
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy
 from compile_trainer.schema import PolicyError, ShapesPolicy
 from compile_trainer.shapes.batch import BatchShaper
+from compile_trainer.shapes.bucket_warmup import BucketWarmup
 from compile_trainer.shapes.buckets import LengthSample, padding_overhead
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors, step_mode
 from compile_trainer.telemetry.compile_events import WARMUP_PHASE
-from compile_trainer.telemetry.throughput import preserved_training_state
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def logging_disabled(module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` in a warm-up step would be logged (or refused outside a step hook): drop it."""
-    module.log = module.log_dict = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        del module.log, module.log_dict
-
-
-def _step_kwargs(step: Callable[..., Any], dataloader_idx: int) -> Dict[str, Any]:
-    """Lightning passes ``dataloader_idx`` only to steps that take it."""
-    return {"dataloader_idx": dataloader_idx} if "dataloader_idx" in inspect.signature(step).parameters else {}
-
-
-def _loss_of(output: Any) -> Optional[torch.Tensor]:
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    return loss if isinstance(loss, torch.Tensor) and loss.requires_grad else None
 
 
 class ShapeHooks:
@@ -64,16 +43,13 @@ class ShapeHooks:
         shapes: ShapesPolicy,
         phase: Callable[[str], ContextManager[None]] = lambda name: contextlib.nullcontext(),
     ):
-        if shapes.warmup and not trainer.lightning_module.automatic_optimization:
-            raise PolicyError(
-                "shapes.warmup runs training_step and backward for each bucket, which needs automatic "
-                "optimization; this module optimizes manually. Set shapes.warmup: false."
-            )
         self.trainer, self.shapes = trainer, shapes
         self.phase = phase  # names what compiles during warm-up (telemetry: not recompiles)
         self.shaper = BatchShaper(shapes)
         self.regions: Optional[RegionShapeInterceptors] = None  # at the first batch, after the policy is applied
-        self.warmed: Set[str] = set()
+        self.warmup: Optional[BucketWarmup] = None  # with shapes.warmup, from the first batch on
+        self.armed: Set[Tuple[bool, bool]] = set()  # modes warmed up (strict recompiles from then on)
+        self._mode: Optional[Tuple[bool, bool]] = None  # the mode of the batch in use
         self._strategy = trainer.strategy
         self._original = self._strategy.batch_to_device
         self._strategy.batch_to_device = self._batch_to_device
@@ -113,36 +89,32 @@ class ShapeHooks:
     def _batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         batch = self._original(batch, device, dataloader_idx)
         if self.regions is None:
-            self.regions = RegionShapeInterceptors(self._applied_policy(), self.shaper)
-        stage = "train" if self.trainer.training else "eval"
-        if self.shapes.warmup and stage not in self.warmed:
-            self._warm_up(stage, batch, dataloader_idx)
-        return self.shaper(batch)
+            applied = self._applied_policy()
+            self.regions = RegionShapeInterceptors(applied, self.shaper)
+            if self.shapes.warmup:
+                self.warmup = BucketWarmup(applied, lambda: self.shaper.buckets or [])
+        if self.warmup is not None:
+            self._warm_up()
+        shaped = self.shaper(batch)
+        if self.warmup is not None:
+            sample = self.shaper.length_of(shaped)
+            self.warmup.length, self.warmup.batch_size = sample.length, sample.rows
+            self._mode = step_mode(self.trainer.lightning_module)
+        return shaped
 
-    def _warm_up(self, stage: str, batch: Any, dataloader_idx: int) -> None:
-        module = self.trainer.lightning_module
-        strategy = self.trainer.strategy
-        batches = self.shaper.warmup_batches(batch)
-        started = time.perf_counter()
-        with (
-            self.phase(f"{WARMUP_PHASE} ({stage})"),
-            preserved_training_state(module, module.device),
-            logging_disabled(module),
-        ):
-            for warm_batch in batches:
-                if stage == "train":
-                    with torch.enable_grad():
-                        loss = _loss_of(strategy.training_step(warm_batch, 0))
-                        if loss is not None:
-                            loss.backward()
-                else:
-                    kwargs = _step_kwargs(module.validation_step, dataloader_idx)
-                    strategy.validation_step(warm_batch, 0, **kwargs)
-        mode = (True, module.training) if stage == "train" else step_mode(module)
-        self.warmed.add(stage)
-        log.info("compile warm-up (%s): %d batch shapes in %.1f s", stage, len(batches), time.perf_counter() - started)
-        if self.shapes.strict_recompiles:
-            self.regions.arm(mode)
+    def _warm_up(self) -> None:
+        """Compile the calls of the last batch that compiled, at every other bucket; then, with
+        ``strict_recompiles``, a recompile in that batch's mode is an error."""
+        if self.warmup.pending:
+            started = time.perf_counter()
+            with self.phase(f"{WARMUP_PHASE} (buckets)"):
+                replayed = self.warmup.replay()
+            seconds = time.perf_counter() - started
+            log.info("compile warm-up: %d region calls compiled at other buckets in %.1f s", replayed, seconds)
+        if self._mode is not None and self._mode not in self.armed:
+            self.armed.add(self._mode)
+            if self.shapes.strict_recompiles:
+                self.regions.arm(self._mode)
 
     def _applied_policy(self) -> AppliedPolicy:
         applied = getattr(self.trainer.lightning_module, APPLIED_ATTR, None)
@@ -156,3 +128,6 @@ class ShapeHooks:
         if self.regions is not None:
             self.regions.remove()
             self.regions = None
+        if self.warmup is not None:
+            self.warmup.remove()
+            self.warmup = None

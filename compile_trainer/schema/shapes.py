@@ -106,11 +106,12 @@ class Padding:
 class ShapesPolicy:
     """How a compile policy handles batches whose shapes vary.
 
-    ``warmup``: compile every bucket (train and validation) at the first batch of each, before the first
-    real step. ``strict_recompiles``: after warm-up, a recompile of a compiled region raises an error
-    naming the region and the guard that failed. ``mark_region_inputs``: regional compilation sees
-    activations, not the batch; mark an input of a compiled region dynamic where it has the batch's
-    dynamic sizes at the same dimensions.
+    ``warmup``: compile every bucket (train and validation) after the first batch of each mode: each region
+    call that compiled is compiled again at every other bucket, from its recorded inputs, without running
+    (``compile_trainer.shapes.bucket_warmup``; no user code runs). ``strict_recompiles``: after warm-up, a
+    recompile of a compiled region raises an error naming the region and the guard that failed.
+    ``mark_region_inputs``: regional compilation sees activations, not the batch; mark an input of a compiled
+    region dynamic where it has the batch's dynamic sizes at the same dimensions.
     """
 
     dynamic: List[DynamicDim] = field(default_factory=list)
@@ -252,7 +253,7 @@ def describe_shapes(shapes: ShapesPolicy) -> str:
             lengths = f"{auto.count} chosen from the first {auto.sample_batches} training batches' lengths"
         parts.append(f"pad {', '.join(shapes.pad.values)} at dim {shapes.pad.dim} to buckets {lengths}")
     if shapes.warmup:
-        parts.append("warm-up before the first step")
+        parts.append("warm-up of every bucket after the first step")
     if shapes.strict_recompiles:
         parts.append("recompiles after warm-up are errors")
     return "shapes: " + "; ".join(parts)

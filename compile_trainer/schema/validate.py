@@ -81,7 +81,7 @@ def _check_background(where: str, policy: CompilePolicy) -> None:
     if policy.shapes.warmup:
         raise PolicyError(
             f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "
-            "every bucket before the first step; background compiles while eager steps run); set one of them false."
+            "every bucket after the first batch; background compiles while eager steps run); set one of them false."
         )
 
 

@@ -368,34 +368,6 @@ class BatchShaper:
             if dims:
                 compat.maybe_mark_dynamic(value, dims)
 
-    def warmup_batches(self, batch: Any) -> List[Any]:
-        """Batches made from ``batch`` that together compile every bucket (just ``batch`` without buckets).
-
-        Each ends in at least one padded position, as a batch shorter than its bucket does. A model may take
-        another path for a batch without padding (Hugging Face's attention drops an all-ones mask and attends
-        causally): with an attention mask in the batch, each bucket is also warmed up exactly full, mask all
-        ones, as a batch whose length is a bucket's arrives.
-        """
-        if self.buckets is None and self.shapes.pad.auto is None:
-            return [self(batch)]
-        self._require_chosen_buckets()
-        self.resolve(batch)
-        mask = self._mask_entry()
-        batches = []
-        for length in self.buckets:
-            batches.append(self.mark(self.pad(self.pad(batch, max(length - 1, 1)), length)))
-            if mask is not None:
-                full = self.pad(batch, length)
-                batches.append(self.mark(replace_entries(full, {mask: torch.ones_like(get_entry(full, mask))})))
-        return batches
-
-    def _mask_entry(self) -> Optional[str]:
-        """The batch's attention mask, when the policy pads it (by role or by its usual name)."""
-        mask = (self.resolved or {}).get("attention_mask")
-        if mask is None and "attention_mask" in self.shapes.pad.values:
-            mask = "attention_mask"
-        return mask if mask in self.shapes.pad.values else None
-
 
 class PadCollate:
     """A DataLoader ``collate_fn`` that pads each collated batch to its bucket on the host.

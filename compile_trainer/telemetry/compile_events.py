@@ -388,6 +388,10 @@ class CompileTelemetry:
             if forward is not None and forward.recompile:
                 stats.recompile_time_s += record.seconds
             return
+        if getattr(metric, "fail_type", None) and record.phase.startswith(WARMUP_PHASE):
+            # a bucket warm-up trace that failed (shapes.bucket_warmup reports it): nothing compiled or ran eagerly
+            log.debug("warm-up trace of region %s failed: %s", stats.label, getattr(metric, "fail_reason", ""))
+            return
         stats.compiles += 1
         stats.graphs += record.graphs
         self.unique_graphs += record.graphs

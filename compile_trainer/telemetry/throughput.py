@@ -15,16 +15,14 @@ sum) is copied to the host without waiting and read once the step is done.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
-from torch import nn
 
 from compile_trainer.schema.shapes import ROLE_NAMES
 
@@ -308,25 +306,6 @@ class ThroughputMeter:
             "mfu": steady["mfu"],
             "peak_memory_bytes": self.peak_memory_bytes(),
         }
-
-
-@contextlib.contextmanager
-def preserved_training_state(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Run steps that leave no trace: RNG streams, gradients and buffers are restored afterwards."""
-    grads = [(p, p.grad) for p in module.parameters()]
-    for parameter, _ in grads:
-        parameter.grad = None
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = [] if device.type == "cpu" else [device.index if device.index is not None else 0]
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
-            yield
-    finally:
-        for parameter, grad in grads:
-            parameter.grad = grad
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
 
 
 def precision_dtype(precision: str) -> torch.dtype:
