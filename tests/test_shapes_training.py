@@ -203,8 +203,8 @@ def test_train_script_runs_buckets_on_the_variable_length_recipe(tmp_path):
         and "pad @tokens, @attention_mask, @labels, @token_type_ids, @position_ids at dim 1 to buckets [16, 32]"
         in output
     )
-    replayed = [int(n) for n in re.findall(r"compile warm-up: (\d+) region calls compiled at other buckets", output)]
-    assert sum(replayed) == 2 * 3, "embed, the blocks' entry and head, each at the other bucket, in both modes"
+    warmed = [int(n) for n in re.findall(r"compile warm-up: (\d+) graphs compiled at other buckets", output)]
+    assert sum(warmed) == 2 * 3, "embed, the blocks' entry and head, each at the other bucket, in both modes"
     run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
     assert run.config["config"]["recipe"]["name"] == "gpt_tiny_varlen"
     assert run.config["compile_policy"]["shapes"]["pad"]["buckets"] == [16, 32]

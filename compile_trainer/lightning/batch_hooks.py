@@ -92,7 +92,7 @@ class ShapeHooks:
             applied = self._applied_policy()
             self.regions = RegionShapeInterceptors(applied, self.shaper)
             if self.shapes.warmup:
-                self.warmup = BucketWarmup(applied, lambda: self.shaper.buckets or [])
+                self.warmup = BucketWarmup(applied, lambda: self.shaper.buckets or [], self.shapes.pad.dim)
         if self.warmup is not None:
             self._warm_up()
         shaped = self.shaper(batch)
@@ -108,9 +108,9 @@ class ShapeHooks:
         if self.warmup.pending:
             started = time.perf_counter()
             with self.phase(f"{WARMUP_PHASE} (buckets)"):
-                replayed = self.warmup.replay()
+                graphs = self.warmup.replay()
             seconds = time.perf_counter() - started
-            log.info("compile warm-up: %d region calls compiled at other buckets in %.1f s", replayed, seconds)
+            log.info("compile warm-up: %d graphs compiled at other buckets in %.1f s", graphs, seconds)
         if self._mode is not None and self._mode not in self.armed:
             self.armed.add(self._mode)
             if self.shapes.strict_recompiles:

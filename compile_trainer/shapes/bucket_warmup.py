@@ -11,8 +11,8 @@ no weight or buffer of the model changes.
 What it cannot see: a path that the model's eager code takes only for some batches (Hugging Face drops an
 all-ones attention mask, so a batch exactly as long as its bucket passes no mask to the blocks) compiles at
 its first batch, a recompile in the summary; that call is then replayed for the other buckets. A region with
-graph breaks gets its first graph compiled here, the rest at their first batch. Inputs whose length dim
-cannot be told (a dim 0 as long as the batch size) are resized where they carry the length elsewhere only.
+graph breaks gets its first graph compiled here, the rest at their first batch. Where the length dims are
+guessed wrong (``length_dims``), the trace fails: logged, not counted, and that bucket compiles at its batch.
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ def is_mask(tensor: torch.Tensor) -> bool:
     return bool(((tensor == 0) | (tensor == 1)).all())
 
 
-def length_dims(tensor: torch.Tensor, length: int, batch_size: int) -> List[int]:
+def length_dims(tensor: torch.Tensor, length: int, batch_size: int, batch_dim: int = 1) -> List[int]:
     """The dims of a region input that carry the batch's ``length``: those of its size (not a leading dim that is
-    the batch size). Where several have it, a mask's are all lengths (``(B, 1, T, T)``), but the last dim of
-    anything else is its features (hidden states ``(B, T, H)`` where ``H == T``; a rotary table)."""
+    the batch size). Where several have it, a mask's are all lengths (``(B, 1, T, T)``); anything else carries
+    the length where the batch does (``batch_dim``, the padded dim: hidden states ``(B, T, H)`` where ``H == T``,
+    a rotary table, channels-first ``(B, C, T)``), else at its first such dim."""
     dims = [d for d, size in enumerate(tensor.shape) if size == length and not (d == 0 and size == batch_size)]
-    if len(dims) > 1 and dims[-1] == tensor.dim() - 1 and not is_mask(tensor):
-        dims = dims[:-1]
+    if len(dims) > 1 and not is_mask(tensor):
+        dims = [batch_dim] if batch_dim in dims else dims[:1]
     return dims
 
 
@@ -84,13 +85,14 @@ class BucketWarmup:
     position = BUCKET_WARMUP
     replaces_compiled = False
 
-    def __init__(self, applied: AppliedPolicy, buckets: Callable[[], List[int]]):
+    def __init__(self, applied: AppliedPolicy, buckets: Callable[[], List[int]], batch_dim: int):
         self.applied = applied
         self.buckets = buckets  # the bucket lengths, once known (auto buckets: after the first batches)
+        self.batch_dim = batch_dim  # the dim the batch's entries are padded at
         self.length: Optional[int] = None  # the padded length of the batch in use
         self.batch_size: Optional[int] = None
         self.pending: List[Tuple[CompiledRegion, RecordedCall, int, int]] = []  # (item, call, length, batch size)
-        self.replayed = 0  # calls replayed, one per (recorded call, other bucket)
+        self.compiled = 0  # graphs compiled by replays
         self.failed: List[str] = []
         applied.interceptors.add(self)
 
@@ -105,7 +107,7 @@ class BucketWarmup:
         return output
 
     def replay(self) -> int:
-        """Compile each pending call at the buckets it did not run at; how many calls were replayed."""
+        """Compile each pending call at the buckets it did not run at; how many graphs that compiled."""
         pending, self.pending = self.pending, []
         count = 0
         with unchanged_random_state(), compat.eager_backward_lowering():
@@ -113,30 +115,32 @@ class BucketWarmup:
                 for bucket in self.buckets():
                     if bucket != length:
                         count += self._replay_at(item, call, length, batch_size, bucket)
-        self.replayed += count
+        self.compiled += count
         return count
 
     def _replay_at(self, item: CompiledRegion, call: RecordedCall, length: int, batch_size: int, bucket: int) -> int:
         def at_bucket(tensor: torch.Tensor) -> torch.Tensor:
-            dims = length_dims(tensor, length, batch_size)
+            dims = length_dims(tensor, length, batch_size, self.batch_dim)
             return resized(tensor, dims, bucket) if dims else tensor
 
         args = tree_map_only(torch.Tensor, at_bucket, call.args)
         kwargs = tree_map_only(torch.Tensor, at_bucket, call.kwargs)
         compiled = item.compile_on(call.module)
+        before = compat.unique_graphs()
         try:
             with call.context(), compile_only(), contextlib.suppress(CompiledNotRun):
                 compiled(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - the bucket then compiles at its first batch, as without warm-up
-            self.failed.append(f"{item.region.name} at length {bucket}: {type(error).__name__}: {error}")
+            cause = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            self.failed.append(f"{item.region.name} at length {bucket}: {cause}")
             log.warning(
-                "compile warm-up of %s at length %d failed (%s); it compiles at its first batch instead",
+                "compile warm-up of %s at length %d failed (%s); it compiles at its first batch of that length",
                 item.region.name,
                 bucket,
-                error,
+                cause,
             )
             return 0
-        return 1
+        return compat.unique_graphs() - before
 
     def remove(self) -> None:
         self.applied.interceptors.remove(self)
