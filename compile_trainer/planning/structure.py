@@ -17,6 +17,9 @@ Two kinds of per-block value are left out of the key, so that they do not split 
 - a float that differs between blocks of one structure (a stochastic-depth probability, a per-layer scale): the
   blocks share one graph with the value as a graph input (a symbolic float, ``compiling.block_values``). A float
   that is zero in some blocks and not in others still splits them (``if p == 0`` takes another branch).
+
+Either goes back into the key where a trial trace of one block (``group_blocks``' ``trial``) shows that the
+compiler specializes it: an entry per value.
 """
 
 from __future__ import annotations
