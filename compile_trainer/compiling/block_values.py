@@ -193,7 +193,9 @@ def trial_trace(
         found.update(values.pinned(guards))
         return [True] * len(guards)
 
-    compiled = torch.compile(types.MethodType(trial, block), backend=_trace_only, options={"guard_filter_fn": watch})
+    compiled = torch.compile(
+        types.MethodType(trial, block), backend=_trace_only, fullgraph=True, options={"guard_filter_fn": watch}
+    )
     modes = [(module, module.training) for module in block.modules()]
     block.train()
     try:
