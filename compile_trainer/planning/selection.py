@@ -39,7 +39,8 @@ class Region:
     structure: str = ""
     # For a block: float attributes (paths in the block) that differ between the blocks sharing its entry, passed
     # to the graph as inputs; index attributes left out of its key (read only to address a KV cache: a call that
-    # passes a cache runs an entry of the block's own).
+    # passes a cache runs an entry of the block's own). A trial trace put those the compiler specializes back into
+    # the key; the first compile watches the rest (``compiling.block_values.SharedValues``).
     shared_floats: List[str] = field(default_factory=list)
     indices: List[str] = field(default_factory=list)
 
