@@ -81,6 +81,9 @@ def cudagraph_skips() -> int:
 # Dynamo's texts: matched where it gives no structured field (checked 2.9.1-2.13).
 FAIL_ON_RECOMPILE = "fail_on_recompile"  # the RuntimeError under set_stance("fail_on_recompile")
 GRAD_MODE_GUARD = "GLOBAL_STATE changed: grad_mode"  # recompile_reason when the graph checked was another grad mode's
+# recompile_reason when an input tensor requires grad and the graph's did not, or the other way round:
+# "tensor 'args[0]' requires_grad mismatch. expected requires_grad=0"
+REQUIRES_GRAD_GUARD = re.compile(r"^tensor '[^']+' requires_grad mismatch")
 # fail_reason at the limit: "recompile_limit reached" (2.9.1), "recompile limit" (2.10+), "cache_size_limit" before
 RECOMPILE_LIMIT_TEXTS = ("recompile limit", "recompile_limit", "cache_size_limit")
 
@@ -713,6 +716,16 @@ def _probe_grad_mode_guard() -> None:
     assert GRAD_MODE_GUARD in reason, reason
 
 
+def _probe_requires_grad_guard() -> None:
+    """A recompile for an input that requires grad where the graph's did not is told apart by its reason's text
+    (the first block of a stack fed the batch, the later ones activations)."""
+    compiled = torch.compile(_fresh(_double), backend="eager")
+    compiled(torch.ones(2))
+    compiled(torch.ones(2, requires_grad=True))
+    reason = re.sub(r"^\d+/\d+:\s*", "", list(compilation_metrics())[-1].recompile_reason)
+    assert REQUIRES_GRAD_GUARD.match(reason), reason
+
+
 def _probe_recompile_limit() -> None:
     """The limit is Dynamo's setting, and a frame past it is reported with a text ``is_recompile_limit`` knows."""
     assert isinstance(recompile_limit(), int) and recompile_limit() >= 1
@@ -1024,6 +1037,7 @@ ENTRIES = [
     Entry("dynamo_callback_handler", _probe_callback_handler),
     Entry("compilation_metrics", _probe_compilation_metrics),
     Entry("GRAD_MODE_GUARD", _probe_grad_mode_guard),
+    Entry("REQUIRES_GRAD_GUARD", _probe_requires_grad_guard),
     Entry("recompile_limit", _probe_recompile_limit),
     Entry("is_fail_on_recompile", _probe_fail_on_recompile),
     Entry("graph_break_reasons", _probe_graph_breaks),

@@ -1,6 +1,8 @@
 """Per-block values that need not split blocks sharing one compiled entry (``compiling/block_values.py``): floats as
-symbolic graph inputs (moved to entries per value where the compiler specializes them), and a Hugging Face decoder's
-KV-cache index (training forwards without a cache; calls with one on an entry of the block's own)."""
+symbolic graph inputs, and a Hugging Face decoder's KV-cache index (training forwards without a cache; calls with one
+on an entry of the block's own). A value the compiler specializes anyway (timm's drop_path, GPT-2's per-layer
+attention scale) gives an entry per value: found by a trial trace before the plan is printed, or else at the first
+compile, before the other blocks run."""
 
 import copy
 
@@ -8,32 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from compile_trainer import apply_policy, to_policy
+from compile_trainer import apply_policy, format_plan_table, to_policy
 from compile_trainer.compiling.regions import ENTRY_PREFIX
 from compile_trainer.planning.selection import resolve_plan
-from tests.user_models import tiny_llama, token_batches
-
-
-def timm_drop_path(x, drop_prob: float = 0.0, training: bool = False, scale_by_keep: bool = True):
-    """timm.layers.drop.drop_path (timm 1.0.31) as published: its ``bernoulli_`` takes the probability as a float,
-    which the compiler bakes into the graph (timm itself cannot be imported beside the CPU torch)."""
-    if drop_prob == 0.0 or not training:
-        return x
-    keep_prob = 1 - drop_prob
-    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-    random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
-    if keep_prob > 0.0 and scale_by_keep:
-        random_tensor.div_(keep_prob)
-    return x * random_tensor
-
-
-class TimmDropPath(nn.Module):
-    def __init__(self, drop_prob: float):
-        super().__init__()
-        self.drop_prob, self.scale_by_keep = drop_prob, True
-
-    def forward(self, x):
-        return timm_drop_path(x, self.drop_prob, self.training, self.scale_by_keep)
+from tests.user_models import TimmDropPath, TimmViT, image_batches, tiny_gpt2, tiny_llama, token_batches
 
 
 class ScaledBlock(nn.Module):
@@ -105,19 +85,192 @@ def test_blocks_differing_in_a_per_layer_scale_share_one_graph_with_the_scales_a
     assert len(compiles) == 1 and compiles[0][1] == 0, f"one graph, compiled once, never recompiled: {compiles}"
 
 
-def test_a_float_the_compiler_specializes_moves_the_other_blocks_to_entries_per_value():
-    """timm's drop_path: the probability goes into ``bernoulli_`` as a float, so the graph holds its value. The
-    first compile shows it; the other blocks move to entries of their own before they run: no recompile."""
+def entry_compiles():
+    """(entry name, attempt) of every frame Dynamo compiled through a region's entry (trial traces are not)."""
+    found = []
+    for metric in torch._dynamo.utils.get_compilation_metrics():
+        if (metric.co_name or "").startswith(ENTRY_PREFIX):
+            found.append((metric.co_name, int(str(metric.compile_id).split("/")[-1])))
+    return found
+
+
+def assert_ran_as_planned(applied, table: str):
+    """The plan printed before training is what ran: the same table and notes after it, every planned entry compiled
+    once (no recompile), and no other entry."""
+    assert format_plan_table(applied) == table, "the plan changed while training"
+    compiles = entry_compiles()
+    assert [attempt for _, attempt in compiles] == [0] * len(compiles), f"a recompile: {compiles}"
+    assert sorted(name for name, _ in compiles) == sorted(applied.shared_counts()), compiles
+
+
+def test_a_float_the_compiler_specializes_splits_the_blocks_in_the_plan_which_then_compiles_the_stack_whole():
+    """timm's drop_path hands its probability to ``bernoulli_``, whose float the graph holds. A trial trace of one
+    block shows it before the plan is printed: one entry per value, so five structures for five blocks, too little
+    reuse to compile them apart (regional_min_reuse): the model is compiled whole, and the run is what was printed."""
     model = Stack(drop_path=True)
     eager = train(copy.deepcopy(model))
     applied = regional(model)
-    assert len(block_entries(applied)) == 1
+    table = format_plan_table(applied)
+    assert [(item.region.name, item.region.role) for item in applied.compiled] == [("stem", "full"), ("blocks", "full")]
+    assert (
+        "5 ScaledBlock blocks differ in drop_path.drop_prob, which the compiler specializes (a trial trace of one "
+        "block before training guards on drop_path.drop_prob" in table
+    ), "the scale stays a graph input"
+    assert "blocks (Sequential): 5 blocks in 5 distinct structures, 1.0 per compiled graph" in table
     torch.testing.assert_close(train(model), eager)  # aot_eager draws the same random numbers as eager
-    compiles = block_compiles()
-    assert [attempt for _, attempt in compiles] == [0] * 5, f"five graphs, none a recompile: {compiles}"
-    assert len(block_entries(applied)) == 5 and len({name for name, _ in compiles}) == 5
+    assert_ran_as_planned(applied, table)
+
+
+def test_blocks_kept_regional_get_an_entry_per_specialized_value_from_the_start():
+    model = Stack(drop_path=True)
+    eager = train(copy.deepcopy(model))
+    applied = apply_policy(model, to_policy("regional", backend="aot_eager", regional_min_reuse=0))
+    table = format_plan_table(applied)
+    assert len(block_entries(applied)) == 5 and "6 regions, 6 distinct compiled entries" in table
+    torch.testing.assert_close(train(model), eager)
+    assert_ran_as_planned(applied, table)
+    assert not any("the compiler specialized" in note for note in applied.notes), "nothing was left to the run"
+
+
+class TwoInputBlock(nn.Module):
+    """A block no trial trace can call (it takes a gate besides its input) that reads a per-block float the compiler
+    specializes (timm's drop_path) or an index in its training computation (as GPT-2 of transformers 4.x does)."""
+
+    def __init__(self, index: int, reads_index: bool):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.layer_idx, self.reads_index = index, reads_index
+        self.drop_path = nn.Identity() if reads_index else TimmDropPath(0.05 * (index + 1))
+
+    def forward(self, x, gate):
+        out = torch.relu(self.fc(x)) * gate
+        return x + self.drop_path(out / float(self.layer_idx + 1) if self.reads_index else out)
+
+
+class GatedStack(nn.Module):
+    def __init__(self, reads_index: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([TwoInputBlock(i, reads_index) for i in range(4)])
+        self.gate = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x, self.gate)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("value", ["float", "index"])
+def test_without_a_trial_trace_the_first_compile_moves_the_other_blocks_before_they_run(value):
+    model = GatedStack(reads_index=value == "index")
+    eager = train(copy.deepcopy(model))
+    applied = apply_policy(model, to_policy("regional", backend="aot_eager", regional_min_reuse=0))
+    attribute = "layer_idx" if value == "index" else "drop_prob"
+    assert len(block_entries(applied)) == 1, "the plan could not see it: the blocks share one entry"
+    untried = next(note for note in applied.notes if "4 TwoInputBlock blocks: no trial trace" in note)
+    assert attribute in untried, "the trial calls a block with one tensor; the note names what is left to the run"
+    torch.testing.assert_close(train(model), eager)
+    compiles = entry_compiles()
+    assert [attempt for _, attempt in compiles] == [0] * len(compiles), f"a recompile: {compiles}"
+    assert len(block_entries(applied)) == 4, "an entry per value, chosen at the first compile"
     note = next(note for note in applied.notes if "the compiler specialized" in note)
-    assert "drop_prob" in note and "4 blocks (blocks.1, blocks.2, blocks.3 ...) compile an entry per value" in note
+    assert attribute in note and "3 blocks (blocks.1, blocks.2, blocks.3) compile an entry per value" in note
+
+
+GPT2_ATTENTION = {
+    # transformers 5.x: the layer's factor folded into attn.scaling, a float scaled_dot_product_attention specializes
+    "transformers_5": ({}, "attn.scaling"),
+    # transformers 4.x: attn_weights / float(self.layer_idx + 1) in every forward
+    "transformers_4": ({"attn_implementation": "gpt2_of_transformers_4"}, "attn.layer_idx"),
+}
+
+
+@pytest.mark.parametrize("use_cache", [False, None], ids=["use_cache_false", "config_default"])
+@pytest.mark.parametrize("attention", GPT2_ATTENTION)
+def test_gpt2_scaling_attention_by_inverse_layer_index_trains_as_planned_without_recompiles(attention, use_cache):
+    """GPT-2 with ``scale_attn_by_inverse_layer_idx``: each layer's attention scale differs, and the compiler
+    specializes it, whether as a float or as the index it is computed from. The plan says so before training and
+    compiles the three layers (three structures) with the model around them."""
+    config, path = GPT2_ATTENTION[attention]
+    cache = {} if use_cache is None else {"use_cache": use_cache}
+    torch.manual_seed(0)
+    model = tiny_gpt2(scale_attn_by_inverse_layer_idx=True, **config, **cache)
+    eager = train_lm(copy.deepcopy(model))
+    applied = regional(model)
+    table = format_plan_table(applied)
+    assert f"3 GPT2Block blocks differ in {path}, which the compiler specializes" in table
+    assert "transformer (GPT2Model): 3 blocks in 3 distinct structures" in table and "compiled whole" in table
+    assert "only to address a KV cache" not in table, "compiled whole: its training forwards keep the config's cache"
+    torch.testing.assert_close(train_lm(model), eager)
+    assert_ran_as_planned(applied, table)
+
+
+def test_gpt2_with_its_layers_kept_regional_runs_an_entry_per_layer_without_recompiles():
+    torch.manual_seed(0)
+    model = tiny_gpt2(scale_attn_by_inverse_layer_idx=True, attn_implementation="gpt2_of_transformers_4")
+    eager = train_lm(copy.deepcopy(model))
+    applied = apply_policy(model, to_policy("regional", backend="aot_eager", regional_min_reuse=0))
+    table = format_plan_table(applied)
+    assert len(block_entries(applied)) == 3
+    torch.testing.assert_close(train_lm(model), eager)
+    assert_ran_as_planned(applied, table)
+
+
+def train_lm(model: nn.Module) -> torch.Tensor:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for batch in token_batches(3, 0):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+class ViTClassifier(nn.Module):
+    def __init__(self, **config):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = TimmViT(**config)
+
+    def forward(self, pixel_values, labels):
+        return nn.functional.cross_entropy(self.model(pixel_values), labels)
+
+
+@pytest.mark.parametrize("min_reuse", [3, 0], ids=["default", "regional_min_reuse_0"])
+def test_a_timm_vit_with_stochastic_depth_runs_the_plan_printed_before_training(min_reuse):
+    """timm's ViT recipe (drop_path_rate 0.1, rising linearly over the blocks): block 0 has no drop path, the others
+    one probability each, which timm's drop_path specializes. The plan is final when printed: compiled whole (one
+    structure per block is too little reuse), or an entry per block where the blocks stay regional."""
+    model = ViTClassifier(depth=6, drop_path_rate=0.1)
+    reference = copy.deepcopy(model)
+    applied = apply_policy(model, to_policy("regional", backend="aot_eager", regional_min_reuse=min_reuse))
+    table = format_plan_table(applied)
+    assert "5 TimmBlock blocks differ in drop_path1.drop_prob, drop_path2.drop_prob, which the compiler" in table
+    if min_reuse:
+        assert [(item.region.name, item.region.role) for item in applied.compiled] == [("model", "full")]
+        assert "model (TimmViT): 6 blocks in 6 distinct structures, 1.0 per compiled graph" in table
+    else:
+        assert len(block_entries(applied)) == 6
+    losses = []
+    torch.manual_seed(2)  # the drop path's draws
+    for network in (reference, model):
+        optimizer = torch.optim.SGD(network.parameters(), lr=0.1)
+        state = torch.random.get_rng_state()
+        steps = []
+        for batch in image_batches(3, 0):
+            loss = network(**batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append(loss.detach())
+        losses.append(torch.stack(steps))
+        torch.random.set_rng_state(state)
+    torch.testing.assert_close(losses[1], losses[0])
+    assert_ran_as_planned(applied, table)
 
 
 def test_a_float_that_is_zero_in_some_blocks_splits_them():

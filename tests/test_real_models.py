@@ -24,6 +24,9 @@ CASES = {
     "llama": ({}, 1, 4),  # use_cache=True: training forwards build no cache, so the layers' index is not read
     "llama_no_cache": ({"use_cache": False}, 1, 4),
     "gpt2": ({}, 1, 3),
+    # each layer's attention scale, a float scaled_dot_product_attention specializes: a structure per layer (a trial
+    # trace shows it before the plan is printed), too little reuse to compile them apart
+    "gpt2_inverse_layer_scale": ({"scale_attn_by_inverse_layer_idx": True}, None, 3),
     "bert": ({}, 1, 3),  # an encoder builds no cache, whatever its config says: the index is not read
     "t5": ({}, None, 4),  # block 0 of each stack holds the relative position bias; encoder and decoder blocks differ
     "t5_6_layers": ({"num_layers": 6, "num_decoder_layers": 6}, 4, 12),  # the same four structures, 3 per graph
@@ -40,7 +43,8 @@ COMPILED_AROUND = {"t5_6_layers": False, "convnext": False}
 
 
 def fit(family, config, callback=None, steps=4, ckpt_path=None, **trainer_args):
-    module = UserModule(family.replace("_no_cache", "").replace("_6_layers", ""), **config)
+    variant = ("_no_cache", "_6_layers", "_inverse_layer_scale")
+    module = UserModule(next((family.replace(v, "") for v in variant if family.endswith(v)), family), **config)
     trainer = quiet_cpu_trainer(
         max_steps=steps, limit_val_batches=1, num_sanity_val_steps=1, callbacks=[callback] if callback else [],
         **trainer_args,

@@ -154,3 +154,68 @@ def test_recompile_advice_fits_the_guard_that_failed(guard, shared_by, expected)
     from compile_trainer.telemetry.fixes import recompile_fix
 
     assert expected in recompile_fix(guard, shared_by)
+
+
+class RawBatchStack(torch.nn.Module):
+    """Identical blocks in an ``nn.Sequential`` fed the batch directly: the first block's input requires no grad, the
+    later blocks' (activations) do, so their shared entry gets a second graph."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.Sequential(*(models.CleanBlock() for _ in range(3)))
+
+    def forward(self, x):
+        return self.blocks(x).square().mean()
+
+
+def test_a_stack_whose_first_block_takes_the_batch_compiles_an_expected_variant_not_a_recompile():
+    eager, model = RawBatchStack(), RawBatchStack()
+    inputs = [torch.randn(4, models.WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    applied = apply_policy(model, to_policy("regional", backend="aot_eager"))
+    telemetry = CompileTelemetry(applied).install()
+    losses = []
+    for network in (eager, model):
+        optimizer = torch.optim.SGD(network.parameters(), lr=0.1)
+        losses.append([])
+        for x in inputs:
+            loss = network(x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[-1].append(loss.detach())
+    model(torch.randn(6, models.WIDTH)).backward()  # a new batch size: real recompiles, still reported
+    telemetry.collect()
+    telemetry.uninstall()
+    torch.testing.assert_close(torch.stack(losses[1]), torch.stack(losses[0]))
+    totals = telemetry.totals()
+    assert totals["grad_mode_variants"] == 1, "block 0's input requires no grad, the others' do: one extra graph"
+    recompiles = [event.compile_id for event in telemetry.events if event.kind == "recompile"]
+    assert recompiles == ["0/2", "0/3"], "the new size recompiles each of the two graphs, once the variant is taken"
+
+
+def test_strict_recompiles_accept_the_first_block_taking_the_batch():
+    """Warm-up runs every block, so both graphs of the shared entry exist before strict recompiles are armed."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from compile_trainer import CompileCallback
+    from tests.conftest import quiet_cpu_trainer
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = RawBatchStack()
+
+        def training_step(self, batch, batch_idx):
+            return self.model(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batches = [torch.randn(4, models.WIDTH, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    shapes = {"warmup": True, "strict_recompiles": True}
+    callback = CompileCallback("regional", backend="aot_eager", shapes=shapes, telemetry={"measure_flops": False})
+    quiet_cpu_trainer(max_steps=3, callbacks=[callback]).fit(Module(), DataLoader(batches, batch_size=None))
+    summary = callback.summary()
+    assert summary["recompiles"] == 0 and summary["grad_mode_variants"] == 1, callback.telemetry.compile.events

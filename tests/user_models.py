@@ -33,6 +33,31 @@ def tiny_gpt2(**overrides) -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+def gpt2_attention_of_transformers_4(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+    """``GPT2Attention._attn`` of transformers 4.x (4.46) as an attention function of today's transformers: with
+    ``scale_attn_by_inverse_layer_idx`` it divides by ``float(self.layer_idx + 1)`` in every forward (5.x folds that
+    into the float ``scaling`` at init). The causal mask, which 4.x kept as a buffer, is built here."""
+    attn_weights = torch.matmul(query, key.transpose(-1, -2))
+    if module.scale_attn_weights:
+        attn_weights = attn_weights / torch.full(
+            [], value.size(-1) ** 0.5, dtype=attn_weights.dtype, device=attn_weights.device
+        )
+    if module.scale_attn_by_inverse_layer_idx:
+        attn_weights = attn_weights / float(module.layer_idx + 1)
+    length = query.size(-2)
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    attn_weights = attn_weights.masked_fill(~causal, torch.finfo(attn_weights.dtype).min)
+    if attention_mask is not None:  # today's transformers hands this function SDPA's boolean mask, or None
+        attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+    attn_weights = nn.functional.dropout(
+        nn.functional.softmax(attn_weights, dim=-1), p=dropout, training=module.training
+    )
+    return torch.matmul(attn_weights, value).transpose(1, 2), attn_weights
+
+
+transformers.AttentionInterface.register("gpt2_of_transformers_4", gpt2_attention_of_transformers_4)
+
+
 def tiny_bert(**overrides) -> nn.Module:
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
@@ -127,6 +152,30 @@ class StagedResNet(nn.Module):
         return nn.functional.cross_entropy(logits, labels)
 
 
+def timm_drop_path(x, drop_prob: float = 0.0, training: bool = False, scale_by_keep: bool = True):
+    """timm.layers.drop.drop_path (timm 1.0.31) as published: its ``bernoulli_`` takes the probability as a float,
+    which the compiler bakes into the graph."""
+    if drop_prob == 0.0 or not training:
+        return x
+    keep_prob = 1 - drop_prob
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    random_tensor = x.new_empty(shape).bernoulli_(keep_prob)
+    if keep_prob > 0.0 and scale_by_keep:
+        random_tensor.div_(keep_prob)
+    return x * random_tensor
+
+
+class TimmDropPath(nn.Module):
+    """timm.layers.drop.DropPath."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.drop_prob, self.scale_by_keep = drop_prob, True
+
+    def forward(self, x):
+        return timm_drop_path(x, self.drop_prob, self.training, self.scale_by_keep)
+
+
 class TimmAttention(nn.Module):
     """timm's ``Attention``: one qkv projection, (identity) q/k norms, fused attention, an output projection."""
 
@@ -146,17 +195,15 @@ class TimmAttention(nn.Module):
 
 
 class TimmBlock(nn.Module):
-    """timm's ViT ``Block``: pre-norm attention and MLP, each with (identity) layer scale and drop path."""
+    """timm's ViT ``Block``: pre-norm attention and MLP, each with (identity) layer scale and drop path (an identity
+    where the block's rate is 0, as timm builds it)."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4, drop_path: float = 0.0):
         super().__init__()
-        self.norm1, self.attn, self.ls1, self.drop_path1 = (
-            nn.LayerNorm(dim),
-            TimmAttention(dim, num_heads),
-            nn.Identity(),
-            nn.Identity(),
-        )
-        self.norm2, self.ls2, self.drop_path2 = nn.LayerNorm(dim), nn.Identity(), nn.Identity()
+        self.norm1, self.attn, self.ls1 = nn.LayerNorm(dim), TimmAttention(dim, num_heads), nn.Identity()
+        self.drop_path1 = TimmDropPath(drop_path) if drop_path > 0.0 else nn.Identity()
+        self.norm2, self.ls2 = nn.LayerNorm(dim), nn.Identity()
+        self.drop_path2 = TimmDropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.mlp = nn.Sequential(nn.Linear(dim, dim * mlp_ratio), nn.GELU(), nn.Linear(dim * mlp_ratio, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -166,16 +213,19 @@ class TimmBlock(nn.Module):
 
 class TimmViT(nn.Module):
     """timm's ``VisionTransformer`` (vit_*_patch*): conv patch embedding, class token, learned position embedding,
-    blocks in an ``nn.Sequential``, final norm, class-token pooling, linear head; returns logits."""
+    blocks in an ``nn.Sequential`` (stochastic depth rising linearly from 0 to ``drop_path_rate``, timm's rule),
+    final norm, class-token pooling, linear head; returns logits."""
 
     def __init__(
-        self, image: int = IMAGE, patch: int = 8, dim: int = 32, depth: int = 3, heads: int = 4, classes: int = 10
-    ):
+        self, image: int = IMAGE, patch: int = 8, dim: int = 32, depth: int = 3, heads: int = 4, classes: int = 10,
+        drop_path_rate: float = 0.0,
+    ):  # fmt: skip
         super().__init__()
+        rates = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]  # timm's dpr
         self.patch_embed = nn.Conv2d(3, dim, patch, patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
-        self.blocks = nn.Sequential(*(TimmBlock(dim, heads) for _ in range(depth)))
+        self.blocks = nn.Sequential(*(TimmBlock(dim, heads, drop_path=rate) for rate in rates))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
 

@@ -2,23 +2,30 @@
 
 - **Floats that differ between the blocks** (stochastic-depth probabilities, per-layer scales): the shared entry
   is primed so that Dynamo takes them as symbolic graph inputs from its first compile (``compat``), and each
-  block's call passes its own values. Where the compiler specializes one anyway (timm's ``drop_path`` hands it to
-  ``bernoulli_``, whose float argument is baked into the graph), the first compile shows it: a guard on the value.
-  ``SharedFloats`` then moves the other blocks to entries per value before they run, so the shared entry never
-  recompiles; the plan's notes say so.
+  block's call passes its own values.
 - **A per-block index read only to address a KV cache** (Hugging Face's ``layer_idx``): the decoder that builds
   the cache in training (``config.use_cache``, on by default) runs its training forwards without one
   (``use_cache=False`` unless the call passes ``use_cache``; ``train_without_cache``), as it does under gradient
   checkpointing; calls that pass a cache (evaluation, generation: unchanged) run an entry of the block's own
   (``passes_kv_cache``), one graph per block.
+
+Where the compiler specializes such a value anyway (timm's ``drop_path`` hands its float to ``bernoulli_``, an
+attention's scale goes to ``scaled_dot_product_attention``, GPT-2 of transformers 4.x divides by
+``layer_idx + 1``: Dynamo bakes an int attribute of a module into the graph), the graph guards on it.
+``trial_trace`` finds that before training (one symbolic trace of one block, run by no compiler), so that the
+plan gives each value an entry of its own before it is printed. Where no trial could be made (a block that
+takes more than one tensor), the first compile shows it: ``SharedValues`` then moves the other blocks to entries
+per value before they run, so the shared entry never recompiles; the plan's notes say so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import re
 import sys
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -28,6 +35,7 @@ from compile_trainer import compat
 
 ENTRY_ARGUMENT = "module"  # the name of the module argument of every region's entry function
 CONSTANT_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+NUMBERS = (int, float)
 EQUALITY = re.compile(r"(?<![!<>=])==(?!=)")
 
 
@@ -57,16 +65,22 @@ def train_without_cache(module: nn.Module) -> torch.utils.hooks.RemovableHandle:
     return module.register_forward_pre_hook(without_cache, with_kwargs=True)
 
 
-class SharedFloats:
-    """The blocks of one compiled entry that differ in float attributes: primes the entry and watches its compiles.
+class SharedValues:
+    """The per-block values of one compiled entry's blocks: primes the entry and watches its compiles.
 
-    ``guard_filter`` is given to ``torch.compile`` for each block (it keeps every guard). At the first compile
-    that guards on one of the floats' values, ``on_specialized(values, reason)`` is called once with the values
+    ``floats`` (paths in the block) differ between the blocks and are primed as symbolic graph inputs; ``indices``
+    were left out of the structure key (read, as far as the plan knows, only to address a KV cache). Dynamo
+    specializes an int attribute of a module whatever the priming, so an index read in the traced computation is
+    always pinned. ``guard_filter`` is given to ``torch.compile`` for each block (it keeps every guard). At the first
+    compile that guards on one of the values, ``on_specialized(values, reason)`` is called once with the values
     the compiled graph holds (path -> value, those it could read) and the guard that pins them.
     """
 
-    def __init__(self, paths: Sequence[str], on_specialized: Callable[[Dict[str, Any], str], None]):
-        self.paths = list(paths)
+    def __init__(
+        self, floats: Sequence[str], indices: Sequence[str], on_specialized: Callable[[Dict[str, Any], str], None]
+    ):
+        self.floats = list(floats)
+        self.paths = [*self.floats, *indices]
         self.sources = {path: compat.float_source(ENTRY_ARGUMENT, path) for path in self.paths}
         # a guard's own name leaves out the frame's locals marker: match on what follows the argument
         self.suffixes = {path: source.split("]", 1)[1] for path, source in self.sources.items()}
@@ -74,41 +88,122 @@ class SharedFloats:
         self.specialized: Optional[str] = None  # the guard that pinned a value, once seen
 
     def prime(self, code: Any) -> None:
-        compat.prime_dynamic_floats(code, list(self.sources.values()))
+        compat.prime_dynamic_floats(code, [self.sources[path] for path in self.floats])
 
     def guard_filter(self, guards: Sequence[Any]) -> List[bool]:
         if self.specialized is None:
-            reason = self._pinned(guards)
-            if reason is not None:
-                self.specialized = reason
-                self.on_specialized(self._values(guards), reason)
+            pinned = self.pinned(guards)
+            if pinned:
+                self.specialized = next(iter(pinned.values()))
+                self.on_specialized(self._values(guards), self.specialized)
         return [True] * len(guards)
 
-    def _mentions(self, text: str) -> bool:
-        return any(re.search(re.escape(suffix) + r"(?![\w\[.])", text) for suffix in self.suffixes.values())
-
-    def _pinned(self, guards: Sequence[Any]) -> Optional[str]:
+    def pinned(self, guards: Sequence[Any]) -> Dict[str, str]:
+        """The paths whose value ``guards`` pin -> the guard that does."""
+        found: Dict[str, str] = {}
         for guard in guards:
-            if guard.guard_type in CONSTANT_GUARDS and self._mentions(guard.name):
-                return f"{guard.guard_type} on {guard.name}"
+            if guard.guard_type in CONSTANT_GUARDS:
+                for path in self._mentioned(guard.name):
+                    found.setdefault(path, f"{guard.guard_type} on {guard.name}")
             for part in compat.guard_code_parts(guard) if guard.guard_type == "SHAPE_ENV" else []:
-                if self._mentions(part) and EQUALITY.search(part):
-                    return part
-        return None
+                if EQUALITY.search(part):
+                    for path in self._mentioned(part):
+                        found.setdefault(path, part)
+        return found
+
+    def _mentioned(self, text: str) -> List[str]:
+        return [path for path, suffix in self.suffixes.items() if re.search(re.escape(suffix) + r"(?![\w\[.])", text)]
 
     def _values(self, guards: Sequence[Any]) -> Dict[str, Any]:
         values = {}
         for path, suffix in self.suffixes.items():
-            held = [g.value for g in guards if g.has_value and g.name.endswith(suffix) and type(g.value) is float]
+            held = [g.value for g in guards if g.has_value and g.name.endswith(suffix) and type(g.value) in NUMBERS]
             if held:
                 values[path] = held[0]
         return values
 
 
-def float_values(block: nn.Module, paths: Sequence[str]) -> Dict[str, Any]:
-    """The values of ``paths`` (``"drop_path.drop_prob"``) in ``block``."""
+def block_values(block: nn.Module, paths: Sequence[str]) -> Dict[str, Any]:
+    """The values of ``paths`` (``"drop_path.drop_prob"``, ``"attn.layer_idx"``) in ``block``."""
     values = {}
     for path in paths:
         owner, _, attribute = path.rpartition(".")
         values[path] = getattr(block.get_submodule(owner) if owner else block, attribute)
     return values
+
+
+TRIAL_PREFIX = "block_trial__"  # the code name of a trial trace's frame (not a region's entry)
+
+
+class _Traced(Exception):
+    """Raised where a trial trace's graph would run."""
+
+
+def _trace_only(graph: torch.fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
+    def not_run(*args: Any) -> Any:
+        raise _Traced
+
+    return not_run
+
+
+def _trial_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:  # ``module``: ENTRY_ARGUMENT, as in an entry
+    return compat.call_uncompiled(module, *args, **kwargs)
+
+
+def example_input(block: nn.Module) -> Optional[torch.Tensor]:
+    """An input of the shape the block's first layer with weights takes (zeros: no random numbers drawn), or None
+    where that layer gives no shape: a token sequence ``(2, 4, features)`` for a norm or a linear layer, an image
+    ``(2, channels, 8, 8)`` for a 2-d convolution."""
+    first = next((m for m in block.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    if first is None:
+        return None
+    weight = next(first.parameters(recurse=False))
+    like = {"dtype": weight.dtype, "device": weight.device}
+    if isinstance(first, nn.Conv2d):
+        return torch.zeros(2, first.in_channels, 8, 8, **like)
+    if isinstance(first, nn.Linear):
+        features = first.in_features
+    elif isinstance(first, nn.LayerNorm) and len(first.normalized_shape) == 1:
+        features = first.normalized_shape[0]
+    elif all(p.dim() == 1 for p in first.parameters(recurse=False)):  # an RMS norm's scale, a bias-only layer
+        features = weight.shape[0]
+    else:
+        return None
+    return torch.zeros(2, 4, features, **like)
+
+
+def trial_trace(
+    block: nn.Module, floats: Sequence[str], indices: Sequence[str]
+) -> Tuple[Dict[str, str], Optional[str]]:
+    """Which per-block values the compiler specializes, seen before training: Dynamo traces ``block`` once in
+    training mode (gradients on, ``floats`` primed as symbolic as in its entry) on ``example_input``; the graph is
+    handed to no compiler and never run. Returns (path -> the guard that pins its value, None), or ({}, why no trace
+    was made): the first real compile then shows it (``SharedValues``)."""
+    example = example_input(block)
+    if example is None:
+        return {}, "no input shape known from its first layer"
+    name = f"{TRIAL_PREFIX}{type(block).__name__}"
+    code = _trial_call.__code__.replace(co_name=name, co_qualname=name)
+    trial = types.FunctionType(code, _trial_call.__globals__, name)
+    values = SharedValues(floats, indices, lambda *_: None)
+    values.prime(code)
+    found: Dict[str, str] = {}
+
+    def watch(guards: Sequence[Any]) -> List[bool]:
+        found.update(values.pinned(guards))
+        return [True] * len(guards)
+
+    compiled = torch.compile(
+        types.MethodType(trial, block), backend=_trace_only, fullgraph=True, options={"guard_filter_fn": watch}
+    )
+    modes = [(module, module.training) for module in block.modules()]
+    block.train()
+    try:
+        with torch.enable_grad(), contextlib.suppress(_Traced):
+            compiled(example)
+    except Exception as error:  # a block that needs more than one tensor (a mask, position embeddings)
+        return {}, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+    finally:
+        for module, training in modes:
+            module.training = training
+    return found, None

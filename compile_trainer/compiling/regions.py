@@ -28,7 +28,13 @@ from torch import nn
 
 from compile_trainer import compat
 from compile_trainer.compiling.backends import RegionBackend
-from compile_trainer.compiling.block_values import SharedFloats, float_values, passes_kv_cache, train_without_cache
+from compile_trainer.compiling.block_values import (
+    SharedValues,
+    block_values,
+    passes_kv_cache,
+    train_without_cache,
+    trial_trace,
+)
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
@@ -51,7 +57,7 @@ class CompiledRegion:
     entry_key: str
     compile_kwargs: Dict[str, Any]
     calls: int = 0
-    # Watches the entry's compiles where its blocks differ in floats (``block_values.SharedFloats``).
+    # Watches the entry's compiles where its blocks differ in per-block values (``block_values.SharedValues``).
     guard_filter: Optional[Callable[[Sequence[Any]], List[bool]]] = None
     # The entry of this block's own that calls passing a KV cache run (``region.indices``), once one came.
     cache_entry: Optional[types.FunctionType] = None
@@ -347,7 +353,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     check_policy_runtime(policy)
     if policy.compiles_modules:
         _refuse_user_compiled(root)
-    plan = resolve_plan(root, policy)
+    plan = resolve_plan(root, policy, trial=trial_trace)
     device = device or model_device(root)
     applied = AppliedPolicy(policy=policy, plan=plan, root=root, notes=list(plan.notes))
     if not policy.enabled:
@@ -377,7 +383,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         torch.backends.cuda.enable_cudnn_sdp(False)
         applied.process_settings.callback(torch.backends.cuda.enable_cudnn_sdp, True)
         applied.notes.append(CUDNN_ATTENTION_OFF)
-    shared_floats: Dict[str, SharedFloats] = {}  # entry key -> its blocks' floats
+    shared_values: Dict[str, SharedValues] = {}  # entry key -> its blocks' per-block values
     for region, kwargs in planned:
         # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
@@ -385,13 +391,14 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         cls = type(region.module)
         entry = _entry_function(cls, key)
         item = CompiledRegion(region, entry, f"{cls.__module__}.{cls.__qualname__}:{key}", kwargs)
-        if region.shared_floats:
-            floats = shared_floats.get(item.entry_key)
-            if floats is None:
+        if region.shared_floats or region.indices:
+            values = shared_values.get(item.entry_key)
+            if values is None:
                 on_pinned = functools.partial(_split_by_value, applied, item.entry_key)
-                floats = shared_floats[item.entry_key] = SharedFloats(region.shared_floats, on_pinned)
-                floats.prime(entry.__code__)
-            item.guard_filter = floats.guard_filter
+                values = SharedValues(region.shared_floats, region.indices, on_pinned)
+                shared_values[item.entry_key] = values
+                values.prime(entry.__code__)
+            item.guard_filter = values.guard_filter
         compat.install_compiled_call(
             region.module,
             RegionCall(
@@ -413,11 +420,12 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
 
 
 def _split_by_value(applied: AppliedPolicy, entry_key: str, compiled: Dict[str, Any], pinned: str) -> None:
-    """The compiler specialized a float the blocks of ``entry_key`` were to share (``pinned``): the blocks whose
-    values differ from those compiled (``compiled``) move to entries per value, before their first call."""
+    """The compiler specialized a value the blocks of ``entry_key`` were to share (``pinned``; no trial trace
+    showed it before training): the blocks whose values differ from those compiled (``compiled``) move to entries
+    per value, before their first call."""
     moved = []
     for item in [item for item in applied.compiled if item.entry_key == entry_key]:
-        values = float_values(item.region.module, item.region.shared_floats)
+        values = block_values(item.region.module, [*item.region.shared_floats, *item.region.indices])
         if compiled and all(values.get(path) == value for path, value in compiled.items()):
             continue
         item.entry_key = f"{entry_key}|{sorted(values.items())!r}"

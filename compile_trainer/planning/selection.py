@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from compile_trainer.planning.structure import BlockGroups, Stack, group_blocks
+from compile_trainer.planning.structure import BlockGroups, Stack, Trial, group_blocks
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError, Rule
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -39,7 +39,8 @@ class Region:
     structure: str = ""
     # For a block: float attributes (paths in the block) that differ between the blocks sharing its entry, passed
     # to the graph as inputs; index attributes left out of its key (read only to address a KV cache: a call that
-    # passes a cache runs an entry of the block's own).
+    # passes a cache runs an entry of the block's own). A trial trace put those the compiler specializes back into
+    # the key; the first compile watches the rest (``compiling.block_values.SharedValues``).
     shared_floats: List[str] = field(default_factory=list)
     indices: List[str] = field(default_factory=list)
 
@@ -218,7 +219,7 @@ def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tup
 
 def _expand_rule(
     index: int, rule: Rule, name: str, module: nn.Module, settings: CompileSettings, plan: CompilePlan,
-    policy: CompilePolicy, above: List[Tuple[str, nn.Module]],
+    policy: CompilePolicy, above: List[Tuple[str, nn.Module]], trial: Optional[Trial] = None,
 ) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
     """What one rule does to one matched module (under the modules ``above`` it, outermost first):
     ``(name, region or None for eager)`` items."""
@@ -235,7 +236,7 @@ def _expand_rule(
     modules = dict(module.named_modules(prefix=name))
     block_names = [b for _, names in stacks for b in names]
     relative = [(_relative(c, name), [_relative(b, name) for b in bs]) for c, bs in stacks]
-    structure = group_blocks(module, relative, prefix=name, above=above)
+    structure = group_blocks(module, relative, prefix=name, above=above, trial=trial)
     plan.notes.extend(structure.notes)
     reuse, min_reuse = structure.reuse, policy.regional_min_reuse
     if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
@@ -247,6 +248,7 @@ def _expand_rule(
         )
         return [(name, Region(name, module, settings, index, "full"))]
     plan.training_without_cache.update(structure.cache_builders)
+    plan.notes.extend(structure.cache_notes)
     containers = [c for c, _ in stacks]
     rest = rule.rest
     breaks = _outer_breaks(name, modules, containers) if rest in ("outer", "auto") else None
@@ -389,12 +391,14 @@ def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
+def resolve_plan(root: nn.Module, policy: CompilePolicy, trial: Optional[Trial] = None) -> CompilePlan:
     """Resolve ``policy``'s rules, in order, against ``root``'s submodules.
 
     A later rule replaces what earlier rules decided for the modules it selects and their
     subtrees; an ``eager`` module inside a compiled region becomes a graph break. A module is
-    compiled at most once: a region inside another region is an error.
+    compiled at most once: a region inside another region is an error. ``trial`` (``apply_policy`` passes
+    ``compiling.block_values.trial_trace``) traces one block of a group whose blocks differ in per-block values,
+    so that a value the compiler specializes splits the group here; without it nothing is traced.
     """
     plan = CompilePlan()
     if not policy.enabled:
@@ -413,7 +417,7 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy) -> CompilePlan:
             if name in weightless:
                 continue
             above = [(n, modules[n]) for n in _prefixes(name)]
-            for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy, above):
+            for item_name, region in _expand_rule(index, rule, name, module, settings, plan, policy, above, trial):
                 _place(plan, index, item_name, region, policy.rules)
     plan.regions.sort(key=lambda r: list(modules).index(r.name))
     return plan

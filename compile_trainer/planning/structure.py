@@ -17,6 +17,9 @@ Two kinds of per-block value are left out of the key, so that they do not split 
 - a float that differs between blocks of one structure (a stochastic-depth probability, a per-layer scale): the
   blocks share one graph with the value as a graph input (a symbolic float, ``compiling.block_values``). A float
   that is zero in some blocks and not in others still splits them (``if p == 0`` takes another branch).
+
+Either goes back into the key where a trial trace of one block (``group_blocks``' ``trial``) shows that the
+compiler specializes it: an entry per value.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -33,6 +36,9 @@ INDEX_NAMES = ("idx", "index", "layer_id", "block_id", "layer_number")
 DECODER_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 Stack = Tuple[str, List[str]]  # (container name, block names), relative to the module grouped
+# A trial trace of one block (``compiling.block_values.trial_trace``): (block, differing floats, indices) ->
+# (path -> the guard that pins its value, or why no trace was made)
+Trial = Callable[[nn.Module, Sequence[str], Sequence[str]], Tuple[Dict[str, str], Optional[str]]]
 
 
 def plain_attributes(module: nn.Module) -> Dict[str, Any]:
@@ -119,6 +125,9 @@ class BlockGroups:
     # whose config builds one
     cache_builders: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    # what running ``cache_builders``' training forwards without a KV cache does (true only if the blocks stay
+    # regional: a module compiled whole keeps its config's cache)
+    cache_notes: List[str] = field(default_factory=list)
 
     @property
     def groups(self) -> Dict[str, List[str]]:
@@ -139,10 +148,13 @@ def group_blocks(
     notes: bool = True,
     prefix: str = "",
     above: Sequence[Tuple[str, nn.Module]] = (),
+    trial: Optional[Trial] = None,
 ) -> BlockGroups:
     """Group the blocks of ``stacks`` (under ``root``, by qualified name) by ``structure_key``; with ``notes``,
     say what shares a graph and what splits one. ``root`` is named ``prefix`` in the model, under the modules
-    ``above`` (``(name, module)``, outermost first), which may hold the decoder config that builds a KV cache."""
+    ``above`` (``(name, module)``, outermost first), which may hold the decoder config that builds a KV cache.
+    With ``trial``, a group whose blocks differ in floats or an index is traced once: a value the compiler
+    specializes goes back into the key (an entry per value)."""
     result = BlockGroups()
     by_class: Dict[type, List[str]] = {}
     index_of: Dict[str, List[str]] = {}  # block -> its stack's index attributes
@@ -157,9 +169,10 @@ def group_blocks(
     for cls, names in by_class.items():
         blocks = {name: root.get_submodule(name) for name in names}
         for name, block in blocks.items():
-            key = structure_key(block, index_of[name])
-            result.keys[name] = key
-            result.indices.setdefault(key, index_of[name])
+            result.keys[name] = structure_key(block, index_of[name])
+        tried = _tried(trial, blocks, result.keys, index_of) if trial is not None else []
+        for name in names:
+            result.indices.setdefault(result.keys[name], index_of[name])
         for key, members in _members(result.keys, names).items():
             floats = _differing_floats([blocks[name] for name in members])
             if floats:
@@ -171,8 +184,43 @@ def group_blocks(
                 builders[builder[0]] = builder[1]
         result.cache_builders.update(builders)
         if notes:
-            result.notes += _notes(cls, names, blocks, result, index_of, builders, prefix)
+            result.notes += tried + _notes(cls, names, blocks, result, index_of)
+            result.cache_notes += _cache_notes(cls, names, index_of, builders)
     return result
+
+
+def _tried(
+    trial: Trial, blocks: Dict[str, nn.Module], keys: Dict[str, str], index_of: Dict[str, List[str]]
+) -> List[str]:
+    """Trace one block of each group whose blocks differ in floats or an index; where the compiler specializes one
+    of them, give each value a key of its own (in ``keys``) and take it out of ``index_of``. Returns the notes."""
+    notes = []
+    for key, members in _members(keys, list(blocks)).items():
+        floats, indices = _differing_floats([blocks[name] for name in members]), index_of[members[0]]
+        if len(members) < 2 or not (floats or indices):
+            continue
+        cls = type(blocks[members[0]]).__name__
+        pinned, failed = trial(blocks[members[0]], floats, indices)
+        if failed is not None:
+            notes.append(
+                f"{len(members)} {cls} blocks: no trial trace of one before training ({failed}); should the compiler "
+                f"specialize {', '.join([*floats, *indices])} at their first compile, the blocks move to an entry "
+                "per value then (a note says so)"
+            )
+            continue
+        if not pinned:
+            continue
+        for name in members:
+            values = plain_attributes(blocks[name])
+            keys[name] = f"{key} specialized {sorted((path, values[path]) for path in pinned)!r}"
+            index_of[name] = [path for path in index_of[name] if path not in pinned]
+        path, guard = next(iter(pinned.items()))
+        entries = len({keys[name] for name in members})
+        notes.append(
+            f"{len(members)} {cls} blocks differ in {', '.join(pinned)}, which the compiler specializes (a trial trace "
+            f"of one block before training guards on {path}: {guard}): {entries} compiled entries, one per value"
+        )
+    return notes
 
 
 def _members(keys: Dict[str, str], names: Sequence[str]) -> Dict[str, List[str]]:
@@ -215,19 +263,24 @@ def _takes(module: nn.Module, parameter: str) -> bool:
         return False
 
 
-def _notes(cls, names, blocks, groups: BlockGroups, index_of, builders, prefix: str) -> List[str]:
+def _cache_notes(cls, names, index_of, builders) -> List[str]:
+    indices = sorted({path for name in names for path in index_of[name]})
+    if not (indices and builders):
+        return []
+    decoders = ", ".join(sorted(set(builders.values())))
+    modules = ", ".join(module or "<root>" for module in builders)
+    return [
+        f"{cls.__name__} blocks read their index ({', '.join(indices)}) only to address a KV cache, which "
+        f"{decoders}'s config (use_cache=True) builds in training too: the training forwards of {modules} run "
+        "without one (use_cache=False where the call does not ask for a cache), so the blocks share one graph; "
+        "calls that pass a cache (evaluation, generation) run a graph per block"
+    ]
+
+
+def _notes(cls, names, blocks, groups: BlockGroups, index_of) -> List[str]:
     notes = []
     keys = {groups.keys[name] for name in names}
     indices = sorted({path for name in names for path in index_of[name]})
-    if indices and builders:
-        decoders = ", ".join(sorted(set(builders.values())))
-        modules = ", ".join(module or "<root>" for module in builders)
-        notes.append(
-            f"{cls.__name__} blocks read their index ({', '.join(indices)}) only to address a KV cache, which "
-            f"{decoders}'s config (use_cache=True) builds in training too: the training forwards of {modules} run "
-            "without one (use_cache=False where the call does not ask for a cache), so the blocks share one graph; "
-            "calls that pass a cache (evaluation, generation) run a graph per block"
-        )
     for key in keys & set(groups.shared_floats):
         count = sum(groups.keys[name] == key for name in names)
         notes.append(

@@ -109,7 +109,9 @@ class RegionStats:
     modules: List[str] = field(default_factory=list)
     compiles: int = 0  # frame compiles: first ones, grad-mode variants and recompiles
     recompiles: int = 0
-    # The first graph of a frame under another grad mode (validation under no_grad): expected, not a recompile.
+    # The first graph of a frame under another grad mode (validation under no_grad), or, under one grad mode, for
+    # input tensors that require grad where its graph's did not or the other way round (a block stack whose first
+    # block takes the batch, the others activations): expected, not a recompile.
     grad_mode_variants: int = 0
     graphs: int = 0
     compile_time_s: float = 0.0  # frames, lazy backward and CUDA-graph recording
@@ -213,6 +215,7 @@ class CompileTelemetry:
         self._backward: List[_Compile] = []
         self._frame_entry: Dict[str, str] = {}  # frame number -> entry name
         self._frame_grad_modes: Dict[str, set] = {}  # frame number -> grad modes it has a graph for
+        self._frame_requires_grad_variants: set = set()  # (frame number, grad mode) with a requires-grad variant
         self._frame_warned: set = set()
         self._last_metric: Any = None
 
@@ -233,6 +236,7 @@ class CompileTelemetry:
         if self._installed:  # a reset happened: compile ids restart at 0/0
             self._frame_entry.clear()
             self._frame_grad_modes.clear()
+            self._frame_requires_grad_variants.clear()
             self._forward.clear()
             self._finished.clear()
         handler.register_start_callback(self._on_start)
@@ -396,12 +400,15 @@ class CompileTelemetry:
         stats.graphs += record.graphs
         self.unique_graphs += record.graphs
         modes = self._frame_grad_modes.setdefault(frame, set())
-        grad_mode_variant = attempt > 0 and record.grad_enabled not in modes
+        reason = guard_text(getattr(metric, "recompile_reason", None)) if attempt > 0 else ""
+        grad_mode_variant = attempt > 0 and (
+            record.grad_enabled not in modes or self._requires_grad_variant(frame, record.grad_enabled, reason)
+        )
         modes.add(record.grad_enabled)
         if grad_mode_variant:
             stats.grad_mode_variants += 1
         elif attempt > 0:
-            reason = guard_text(getattr(metric, "recompile_reason", None)) or "unknown guard (no compilation metrics)"
+            reason = reason or "unknown guard (no compilation metrics)"
             if reason.startswith(compat.GRAD_MODE_GUARD):
                 # Dynamo names one failed guard, of the graph it checked first: another grad mode's. The graph of
                 # this grad mode failed a guard it does not name.
@@ -419,6 +426,14 @@ class CompileTelemetry:
             self._graph_break(stats, record, item)
         if getattr(metric, "fail_type", None):
             self._failure(entry, record.compile_id, attempt, metric, record.phase, record.step)
+
+    def _requires_grad_variant(self, frame: str, grad_enabled: bool, reason: str) -> bool:
+        """Whether a recompile is the frame's first for inputs that differ from its graph's in requiring grad (under
+        this grad mode): a shared block entry whose first block is fed the batch, the later ones activations."""
+        if not compat.REQUIRES_GRAD_GUARD.match(reason) or (frame, grad_enabled) in self._frame_requires_grad_variants:
+            return False
+        self._frame_requires_grad_variants.add((frame, grad_enabled))
+        return True
 
     def _event(
         self, kind: str, label: str, where: Any, reason: str, location: str = "", fix: Optional[str] = None
