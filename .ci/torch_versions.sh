@@ -1,32 +1,59 @@
 #!/usr/bin/env bash
-# The tests that depend most on torch's internals (the private-API probes, models nobody here wrote, the compile
-# cache), on each torch version the project supports at its ends: the oldest pyproject.toml declares and the newest
-# installable here. Each version in a fresh virtual environment of its own; prints the install and test times.
+# The tests that depend most on torch's internals (the private-API probes, models nobody here wrote, the bucket
+# warm-up's traces), on each end of the torch versions the project supports: the oldest pyproject.toml declares
+# and the newest installable here. Each version in a virtual environment of its own, holding torch and the
+# project's dependencies (not the project: the tests import it from this checkout).
 #
-#   bash .ci/torch_versions.sh                 # torch 2.9.1 and 2.14.1
+#   bash .ci/torch_versions.sh            # install, then test
+#   bash .ci/torch_versions.sh install    # build the environments (.ci/run: in the background, during the suite)
+#   bash .ci/torch_versions.sh test       # test in environments built before
 #   TORCH_VERSIONS="2.11.0" bash .ci/torch_versions.sh
 #
-# From PyPI these are CUDA builds (torch 2.9.1: a 900 MB wheel and about 3 GB of nvidia-* wheels); they run on the
-# CPU. Not part of .ci/run. Measured 2026-11-25 on 2 shared cores: torch 2.9.1 install 453 s, tests 484 s (4 failed:
-# fixed since but T5, whose transformers code Dynamo 2.9 cannot trace whole: copy.deepcopy in get_text_config);
-# torch 2.14.1 install 133 s (the common packages cached by then), tests 297 s, all passed.
+# From PyPI these are CUDA builds (torch 2.9.1: a 900 MB wheel and about 3 GB of nvidia-* wheels); they run on
+# the CPU. Each environment's install and test times are printed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-versions=${TORCH_VERSIONS:-"2.9.1 2.14.1"}
+oldest=$(python - <<'EOF'
+import re, tomllib
+requirement = next(r for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if r.startswith("torch"))
+print(re.fullmatch(r"torch>=(\d+\.\d+)", requirement).group(1) + ".*")
+EOF
+)
+versions=${TORCH_VERSIONS:-"$oldest 2.14.1"}
 root=${TORCH_VERSIONS_DIR:-/tmp/compile_trainer_torch_versions}
-tests=(tests/test_compat.py tests/test_real_models.py tests/test_compile_cache.py tests/test_precompiled.py)
-summary=()
-for version in $versions; do
-  venv="$root/torch-$version"
+tests=(tests/test_compat.py tests/test_real_models.py tests/test_bucket_warmup.py)
+stage=${1:-all}
+
+install() {
+  local version=$1 venv=$2 started=$SECONDS
   rm -rf "$venv"
-  started=$SECONDS
   python -m venv "$venv"
   "$venv/bin/python" -m pip install -q "torch==$version"
-  "$venv/bin/python" -m pip install -q -e ".[dev]"
-  installed=$SECONDS
-  echo "+ torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): ${tests[*]}"
-  status=0
-  "$venv/bin/python" -m pytest -q -n 2 "${tests[@]}" || status=$?
-  summary+=("torch $version: install $((installed - started)) s, tests $((SECONDS - installed)) s, pytest exit $status")
+  # the project's dependencies and dev extras, read from pyproject.toml (its own extra spelled out)
+  "$venv/bin/python" - <<'EOF' > "$venv/requirements.txt"
+import tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+for requirement in project["dependencies"] + extras["dev"]:
+    print("\n".join(extras["remote-cache"]) if requirement == "compile_trainer[remote-cache]" else requirement)
+EOF
+  "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt"
+  echo "torch $version: installed in $((SECONDS - started)) s"
+}
+
+status=0
+for version in $versions; do
+  venv="$root/torch-${version//\*/x}"
+  if [[ $stage != test ]]; then
+    install "$version" "$venv"
+  fi
+  if [[ $stage != install ]]; then
+    started=$SECONDS
+    echo "+ torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): ${tests[*]}"
+    rc=0
+    "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${tests[@]}" || rc=$?
+    echo "torch $version: tested in $((SECONDS - started)) s, pytest exit $rc"
+    [[ $rc == 0 ]] || status=$rc
+  fi
 done
-printf '%s\n' "${summary[@]}"
+exit $status

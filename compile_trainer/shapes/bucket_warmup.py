@@ -110,7 +110,9 @@ class BucketWarmup:
         """Compile each pending call at the buckets it did not run at; how many graphs that compiled."""
         pending, self.pending = self.pending, []
         count = 0
-        with unchanged_random_state(), compat.eager_backward_lowering():
+        # backward graphs compiled with the forward (torch >= 2.11); before, at the bucket's first backward
+        lowering = compat.eager_backward_lowering() if not compat.eager_backward_lowering_problem() else None
+        with unchanged_random_state(), lowering or contextlib.nullcontext():
             for item, call, length, batch_size in pending:
                 for bucket in self.buckets():
                     if bucket != length:
