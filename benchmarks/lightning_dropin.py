@@ -17,21 +17,18 @@ Importable without hydra and wandb (the GPU image has neither; omegaconf is carr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import PEAK_BF16_FLOPS, format_table, write_result  # noqa: E402
+from benchmarks.common import PEAK_BF16_FLOPS, print_table, run_fresh, worker, write_result  # noqa: E402
 from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
@@ -118,7 +115,7 @@ class StepClock:
         return [end - start for start, end in pairs]
 
 
-def worker(args: argparse.Namespace) -> Dict[str, Any]:
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
     import lightning.pytorch as pl
 
     from compile_trainer import CompileCallback
@@ -166,22 +163,15 @@ def worker(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
-    with tempfile.TemporaryDirectory() as caches:
-        out = Path(caches) / "row.json"
-        command = [sys.executable, __file__, "--worker", "--model", model, "--variant", variant, "--out", str(out)]
-        command += ["--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": caches, "TRITON_CACHE_DIR": f"{caches}/triton"}
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-            error = None if out.exists() else (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {args.timeout} s"
-        return json.loads(out.read_text()) if error is None else {"model": model, "variant": variant, "error": error}
+    command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
+    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
+    result.pop("process_s")
+    return result if "error" not in result else {"model": model, "variant": variant, "error": result["error"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lightning_dropin.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, backend aot_eager")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -190,11 +180,11 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps or (4 if args.smoke else 50)
     if args.worker:
-        Path(args.out).write_text(json.dumps(worker(args)))
-        return
+        return worker(args.worker_out, lambda: measure(args), args.timeout)
     rows = [run_variant(args, m, v) for m in args.models.split(",") for v in args.variants.split(",")]
     notes = [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
@@ -207,7 +197,7 @@ def main() -> None:
     write_result(
         Path(args.out), "lightning_dropin", "The callback dropped into a plain LightningModule", COLUMNS, rows, notes
     )
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="the benchmark's own clock (summary_*_vs_own)")
 
 
 if __name__ == "__main__":

@@ -14,15 +14,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import faulthandler
 import gc
 import json
 import math
-import os
 import pstats
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -38,12 +34,16 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import (  # noqa: E402
     HostTimer,
     StepTimer,
-    format_table,
+    add_ratio,
     is_recompile,
     peak_flops,
+    print_table,
     quiet_trainer,
+    repeated,
+    run_fresh,
     synchronize,
     timed,
+    worker,
     write_result,
 )
 from recipes.data import read_stdlib_bytes  # noqa: E402
@@ -528,29 +528,17 @@ def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
-    """One variant in a fresh process with empty compile caches."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        out = Path(cache) / "result.json"
-        command = [sys.executable, __file__, "--worker", variant, "--worker-out", str(out), *args.passthrough]
-        started = time.perf_counter()
-        try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.variant_timeout)
-        except subprocess.TimeoutExpired as timeout:
-            tail = (timeout.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
-            return {"error": f"timed out after {args.variant_timeout} s | " + " | ".join(tail)[-300:]}
-        if proc.returncode != 0 or not out.exists():
-            args.out.with_name(f"{args.out.stem}.{variant}.log").write_text(proc.stdout + proc.stderr)
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return {"error": f"exit code {proc.returncode} | " + " | ".join(tail)[-300:]}
-        result = json.loads(out.read_text())
-        result["process_s"] = time.perf_counter() - started
-        return result
+    """One variant in a fresh process with empty compile caches (``--repeats`` times: medians and spread)."""
+    log = args.out.with_name(f"{args.out.stem}.{variant}.log")
+    runs = [
+        run_fresh(__file__, ["--worker", variant, *args.passthrough], args.variant_timeout, log=log)
+        for _ in range(getattr(args, "repeats", 1))
+    ]
+    return repeated(runs, TIMED)
 
 
 def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     eager = results.get("eager", {})
-    whole = results.get("torch_compile", {})
     rows = []
     for run, result in results.items():
         variant = run.split("#")[0]
@@ -564,16 +552,18 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
         row["syncs_in_timed_steps"] = result.get("syncs")
         row["host_profile"] = result.get("host_profile")
         row["compile_breakdown"] = result.get("compile_time_breakdown_s")
-        if "tokens_per_s" in eager:
-            row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
+        if "losses" in eager:
             row["loss_rel_diff_vs_eager"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], eager["losses"]))
-        if "tokens_per_s" in whole:
-            row["throughput_vs_torch_compile"] = result["tokens_per_s"] / whole["tokens_per_s"]
-            row["first_step_vs_torch_compile"] = result["first_step_s"] / whole["first_step_s"]
         rows.append(row)
+    add_ratio(rows, "speedup_vs_eager", "tokens_per_s", lambda row: row["variant"] == "eager")
+    whole = lambda row: row["variant"] == "torch_compile"  # noqa: E731
+    add_ratio(rows, "throughput_vs_torch_compile", "tokens_per_s", whole)
+    add_ratio(rows, "first_step_vs_torch_compile", "first_step_s", whole)
     return rows
 
 
+# Timings that --repeats reports as medians with their spread.
+TIMED = ("first_step_s", "step_ms", "host_ms", "slowest_step_ms", "tokens_per_s", "tflops", "mfu", "compiled_after_s")
 COLUMNS = [
     "variant",
     "loop",
@@ -608,6 +598,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (medians and spread)")
     parser.add_argument(
         "--max-eager-steps", type=int, default=5000, help="with a background compile: most steps before it is in use"
     )
@@ -641,12 +632,9 @@ def main() -> None:
         args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
         args.host_steps = min(args.host_steps, 2)
     if args.worker:
-        faulthandler.enable(all_threads=True)  # a crash or a hang shows every thread's Python stack
-        faulthandler.dump_traceback_later(args.variant_timeout - 10, exit=True)
         if args.switch_interval:
             sys.setswitchinterval(args.switch_interval)
-        args.worker_out.write_text(json.dumps(run_worker(args.worker, args)))
-        return
+        return worker(args.worker_out, lambda: run_worker(args.worker, args), args.variant_timeout)
     args.passthrough = (
         [
             f"--steps={args.steps}",
@@ -681,11 +669,12 @@ def main() -> None:
         notes = [
             f"batch {args.batch_size} x {(SMOKE if args.smoke else GPT2_SMALL).block_size} tokens, "
             f"{args.steps} timed steps after {args.warmup}; backend {args.backend}; fresh compile caches per variant"
+            + (f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else "")
         ]
         write_result(
             args.out, "train_step", "Training step: eager, torch.compile, peers and policies", COLUMNS, rows, notes
         )
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="eager (speedup), torch_compile (throughput_vs_*, first_step_vs_*)")
 
 
 if __name__ == "__main__":
