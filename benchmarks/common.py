@@ -144,6 +144,50 @@ class StepTimer:
         return statistics.median(self.seconds())
 
 
+def time_steps(
+    device: torch.device,
+    step: Callable[[int], None],
+    steps: int,
+    start: int = 0,
+    outer: Sequence[Any] = (),
+    inner: Sequence[Any] = (),
+) -> Dict[str, float]:
+    """``step(index)`` for ``steps`` indices from ``start``, each timed (``StepTimer``), and the window's wall time
+    between two device synchronizations. Recorders (``start()``/``stop()``) run around the window: ``outer`` ones
+    outside the synchronizations, ``inner`` ones inside (a sync recorder must not see the harness's own)."""
+    for recorder in outer:
+        recorder.start()
+    timer = StepTimer(device)
+    synchronize(device)
+    window_start = time.perf_counter()
+    for recorder in inner:
+        recorder.start()
+    for index in range(start, start + steps):
+        started = timer.start()
+        step(index)
+        timer.stop(started)
+    for recorder in reversed(inner):
+        recorder.stop()
+    synchronize(device)
+    window_s = time.perf_counter() - window_start
+    for recorder in reversed(outer):
+        recorder.stop()
+    seconds = timer.seconds()
+    return {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": window_s}
+
+
+def recompile_reasons(limit: Optional[int] = None) -> List[str]:
+    """Why Dynamo recompiled, one line per recompile of this process."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    reasons = [
+        f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
+        for m in get_compilation_metrics()
+        if is_recompile(m)
+    ]
+    return reasons[:limit]
+
+
 class HostTimer:
     """Host time to issue one training step, apart from the device: before each step the device is held by a
     sleep kernel longer than the step's host work, so the host never waits for it and the wall time from one
@@ -258,14 +302,14 @@ def add_ratio(
     baselines = {group(row): row[column] for row in rows if is_baseline(row) and row.get(column)}
     for row in rows:
         base = baselines.get(group(row))
-        if base and row.get(column) and "error" not in row:
+        if base and row.get(column) and not row.get("error"):
             row[name] = base / row[column] if inverse else row[column] / base
 
 
 def repeated(results: List[Dict[str, Any]], metrics: Sequence[str]) -> Dict[str, Any]:
     """One row from several runs of a variant: the first run's fields, each of ``metrics`` the median over the runs
     that measured it, ``spread`` its [min, max] and ``repeats`` how many runs counted (an error if none did)."""
-    done = [result for result in results if "error" not in result]
+    done = [result for result in results if not result.get("error")]
     if len(results) == 1 or not done:
         return results[0]
     row = dict(done[0], repeats=len(done), spread={})

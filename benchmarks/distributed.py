@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, run_fresh, write_result  # noqa: E402
+from benchmarks.common import print_table, quiet_trainer, run_fresh, write_result  # noqa: E402
 
 COLUMNS = [
     "model", "experiment", "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "first_step_s_by_rank",
@@ -124,7 +124,6 @@ def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
 
 def worker(args: argparse.Namespace) -> None:
     """One training job (every rank runs this); rank 0 writes its row to ``args.worker_out``."""
-    import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from compile_trainer import CompileCallback
@@ -142,11 +141,9 @@ def worker(args: argparse.Namespace) -> None:
     strategy: Any = "auto"
     if args.gpus > 1:
         strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
-    trainer = pl.Trainer(
-        accelerator="gpu" if on_gpu else "cpu", devices=args.gpus, strategy=strategy, max_steps=args.steps,
-        callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        use_distributed_sampler=False,
+    trainer = quiet_trainer(
+        torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy, max_steps=args.steps,
+        callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(module)
     summary = callback.summary()
@@ -205,7 +202,7 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
             command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     result = run_fresh(__file__, command, args.timeout, caches=Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder)))
     result.pop("process_s")
-    if "error" in result:
+    if result.get("error"):
         keys = ("model", "experiment", "policy", "gpus")
         row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
         return row | {"error": result["error"]}

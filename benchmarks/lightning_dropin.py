@@ -28,7 +28,15 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import PEAK_BF16_FLOPS, print_table, run_fresh, worker, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    PEAK_BF16_FLOPS,
+    StepTimer,
+    print_table,
+    quiet_trainer,
+    run_fresh,
+    worker,
+    write_result,
+)
 from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
@@ -81,42 +89,24 @@ def make_module(name: str, net: nn.Module) -> Any:
     return Plain()
 
 
-class StepClock:
-    """Each training step's time on the device's timeline (CUDA events; the host clock elsewhere)."""
+def step_clock(device: torch.device) -> Any:
+    """A callback timing each training step on the device's timeline (``StepTimer``: CUDA events on a GPU)."""
+    import lightning.pytorch as pl
 
-    def __init__(self) -> None:
-        import lightning.pytorch as pl
+    class StepClock(pl.Callback):
+        def __init__(self) -> None:
+            self.timer, self.started = StepTimer(device), None
 
-        clock = self
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.started = self.timer.start()
 
-        class Hooks(pl.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                clock.marks.append(clock._mark())
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.timer.stop(self.started)
 
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                clock.marks.append(clock._mark())
-
-        self.callback, self.marks = Hooks(), []
-
-    def _mark(self) -> Any:
-        if not torch.cuda.is_available():
-            import time
-
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self) -> List[float]:
-        pairs = list(zip(self.marks[::2], self.marks[1::2]))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            return [start.elapsed_time(end) / 1e3 for start, end in pairs]
-        return [end - start for start, end in pairs]
+    return StepClock()
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
-    import lightning.pytorch as pl
 
     from compile_trainer import CompileCallback
 
@@ -138,14 +128,10 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     elif args.variant != "eager":
         compile_callback = CompileCallback(args.variant, **({"backend": "aot_eager"} if args.smoke else {}))
         callbacks.append(compile_callback)
-    clock = StepClock()
-    trainer = pl.Trainer(
-        accelerator="gpu" if on_gpu else "cpu", devices=1, precision="bf16-mixed", max_steps=args.steps,
-        callbacks=[clock.callback, *callbacks], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
+    clock = step_clock(device)
+    trainer = quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
     trainer.fit(make_module(args.model, net), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-    seconds = clock.seconds()
+    seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     units = "tokens" if args.model == "llama" else "images"
     per_step = data[0]["input_ids"].numel() if args.model == "llama" else data[0][0].shape[0]
@@ -166,7 +152,7 @@ def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str,
     command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
     result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
     result.pop("process_s")
-    return result if "error" not in result else {"model": model, "variant": variant, "error": result["error"]}
+    return result if not result.get("error") else {"model": model, "variant": variant, "error": result["error"]}
 
 
 def main() -> None:

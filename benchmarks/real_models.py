@@ -36,16 +36,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
-    StepTimer,
     environment,
     frame_compile_seconds,
     fresh_compiler_state,
-    is_recompile,
     peak_flops,
     print_table,
+    recompile_reasons,
     run_fresh,
     split_variant,
-    synchronize,
+    time_steps,
     timed,
     with_rule_changes,
     worker,
@@ -376,23 +375,15 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
     first_step = timed(device, lambda: step(0))
     for index in range(1, args.warmup):
         step(index)
-    timer = StepTimer(device)
-    synchronize(device)
-    window_start = time.perf_counter()
-    for index in range(args.warmup, args.warmup + args.steps):
-        started = timer.start()
-        step(index)
-        timer.stop(started)
-    synchronize(device)
-    window = time.perf_counter() - window_start
+    times = time_steps(device, step, args.steps, args.warmup)
     telemetry.collect()
     totals = telemetry.totals()
     return {
         "first_step_s": first_step,
-        "step_ms": timer.median() * 1e3,
-        "step_s": timer.median(),
-        "slowest_step_ms": max(timer.seconds()) * 1e3,
-        "window_s": window,
+        "step_ms": times["step_s"] * 1e3,
+        "step_s": times["step_s"],
+        "slowest_step_ms": times["slowest_step_s"] * 1e3,
+        "window_s": times["window_s"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
         "recompiles": totals["recompiles"],
@@ -405,11 +396,7 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
             [str(m.compile_id), m.co_name or "backward", round(frame_compile_seconds(m), 3)]
             for m in get_compilation_metrics()
         ],
-        "recompile_reasons": [
-            f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
-            for m in get_compilation_metrics()
-            if is_recompile(m)
-        ][:10],
+        "recompile_reasons": recompile_reasons(limit=10),
         "losses": [float(loss) for loss in losses],
     }
 

@@ -18,6 +18,7 @@ import gc
 import json
 import math
 import pstats
+import statistics
 import sys
 import time
 import traceback
@@ -35,13 +36,14 @@ from benchmarks.common import (  # noqa: E402
     HostTimer,
     StepTimer,
     add_ratio,
-    is_recompile,
     peak_flops,
     print_table,
     quiet_trainer,
+    recompile_reasons,
     repeated,
     run_fresh,
     synchronize,
+    time_steps,
     timed,
     worker,
     write_result,
@@ -341,31 +343,18 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         offset += 1
     for index in range(offset, offset + args.warmup - 1):
         step(index)
-    timer = StepTimer(device)
     syncs = SyncRecorder(args.sync_debug)
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     collections = GcRecorder(args.gc)
-    collections.start()
-    synchronize(device)
-    window_start = time.perf_counter()
-    syncs.start()
-    host.start()
-    for index in range(offset + args.warmup - 1, offset + args.warmup - 1 + args.steps):
-        started = timer.start()
-        step(index)
-        timer.stop(started)
-    host.stop()
-    syncs.stop()
-    synchronize(device)
-    window = time.perf_counter() - window_start
-    collections.stop()
+    start = offset + args.warmup - 1
+    times = time_steps(device, step, args.steps, start, outer=[collections], inner=[syncs, host])
     host_timer = HostTimer(device)
     first_host_step = offset + args.warmup - 1 + args.steps
     for index in range(first_host_step, first_host_step + args.host_steps + 1):
         host_timer.step_start()
         step(index)
     synchronize(device)
-    result = finish(first_step, timer, window, args, config, device, flops, losses)
+    result = finish(first_step, times, args, config, device, flops, losses)
     result["host_ms"] = host_timer.median_ms()
     extra = background_result(background) | collections.result()
     return result | extra | {"syncs": syncs.sites, "host_profile": host.top()}
@@ -485,7 +474,9 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
-    result = finish(clock.first_step, clock.timer, clock.window, args, config, device, flops, clock.losses)
+    seconds = clock.timer.seconds()
+    times = {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": clock.window}
+    result = finish(clock.first_step, times, args, config, device, flops, clock.losses)
     result["host_ms"] = clock.host_timer.median_ms()
     extra = background_result(compile_callback.background) | clock.collections.result()
     choices = [step.choice.describe() for step in compile_callback.optimizer_steps if step.choice]
@@ -493,26 +484,22 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
-def finish(first_step, timer, window, args, config, device, flops, losses) -> Dict[str, Any]:
-    from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
+def finish(first_step, times, args, config, device, flops, losses) -> Dict[str, Any]:
+    from torch._dynamo.utils import calculate_time_spent, counters
 
-    steps, step_time = args.steps, timer.median()
+    steps, step_time, window = args.steps, times["step_s"], times["window_s"]
     tokens = args.batch_size * config.block_size
     peak = peak_flops(device)
     return {
         "first_step_s": first_step,
         "step_ms": step_time * 1e3,
-        "slowest_step_ms": max(timer.seconds()) * 1e3,
+        "slowest_step_ms": times["slowest_step_s"] * 1e3,
         "tokens_per_s": tokens * steps / window,
         "tflops": flops / step_time / 1e12,
         "mfu": flops / step_time / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
-        "recompile_reasons": [
-            f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
-            for m in get_compilation_metrics()
-            if is_recompile(m)
-        ],
+        "recompile_reasons": recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
         "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
     }
