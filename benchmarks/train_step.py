@@ -543,9 +543,8 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
             row["loss_rel_diff_vs_eager"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], eager["losses"]))
         rows.append(row)
     add_ratio(rows, "speedup_vs_eager", "tokens_per_s", lambda row: row["variant"] == "eager")
-    whole = lambda row: row["variant"] == "torch_compile"  # noqa: E731
-    add_ratio(rows, "throughput_vs_torch_compile", "tokens_per_s", whole)
-    add_ratio(rows, "first_step_vs_torch_compile", "first_step_s", whole)
+    for column, name in (("tokens_per_s", "throughput"), ("first_step_s", "first_step")):
+        add_ratio(rows, f"{name}_vs_torch_compile", column, lambda row: row["variant"] == "torch_compile")
     return rows
 
 
