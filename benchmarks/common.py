@@ -1,25 +1,36 @@
-"""Shared pieces of the benchmarks: environment metadata, CUDA timing, and the result-file format.
+"""The benchmarks' harness: fresh-process variants, the variant syntax, step timing, the result file and its table.
 
-Every benchmark writes one JSON file: ``{"benchmark", "title", "meta", "columns", "rows", "notes"}``;
-``benchmarks/make_report.py`` renders all of them into ``docs/BENCHMARKS.md``. Importable without
-hydra, omegaconf or wandb (the GPU image has none of them).
+A benchmark script holds its models, its variants and a function that measures one variant; this module runs
+each variant in a fresh process with empty compile caches (``run_fresh`` / ``worker``), times steps
+(``StepTimer``, ``timed``, ``repeated`` for medians and spread over repeats), writes the result file
+(``write_result``: ``{"benchmark", "title", "meta", "columns", "rows", "notes"}``, meta with the git commit) and
+prints it side by side (``print_table``, ratios from ``add_ratio``). ``benchmarks/make_report.py`` renders every
+result file into ``docs/BENCHMARKS.md``. Importable without hydra, omegaconf or wandb (the GPU image has none).
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import importlib.metadata
 import json
+import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from compile_trainer.tables import text_table
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARIES = ("lightning", "transformers", "timm", "accelerate")  # versions read from metadata, not imported
 
 
 def is_recompile(metric: Any) -> bool:
@@ -53,10 +64,24 @@ def with_rule_changes(policy: Any, **changes: str) -> Any:
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
+def git_commit() -> Optional[str]:
+    """The repository's commit (``git rev-parse --short HEAD``), ``-dirty`` when the tree has changes; None
+    without git or outside a checkout."""
+    try:
+        run = dict(cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if changed else "") if commit else None
+
+
 def environment() -> Dict[str, Any]:
+    """What measured a result: date, command, commit, device and versions."""
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join(["python", *sys.argv]),
+        "commit": git_commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})",
@@ -67,6 +92,11 @@ def environment() -> Dict[str, Any]:
         meta["triton"] = triton.__version__
     except ImportError:
         meta["triton"] = None
+    for name in LIBRARIES:
+        try:
+            meta[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            meta[name] = None
     return meta
 
 
@@ -112,6 +142,50 @@ class StepTimer:
 
     def median(self) -> float:
         return statistics.median(self.seconds())
+
+
+def time_steps(
+    device: torch.device,
+    step: Callable[[int], None],
+    steps: int,
+    start: int = 0,
+    outer: Sequence[Any] = (),
+    inner: Sequence[Any] = (),
+) -> Dict[str, float]:
+    """``step(index)`` for ``steps`` indices from ``start``, each timed (``StepTimer``), and the window's wall time
+    between two device synchronizations. Recorders (``start()``/``stop()``) run around the window: ``outer`` ones
+    outside the synchronizations, ``inner`` ones inside (a sync recorder must not see the harness's own)."""
+    for recorder in outer:
+        recorder.start()
+    timer = StepTimer(device)
+    synchronize(device)
+    window_start = time.perf_counter()
+    for recorder in inner:
+        recorder.start()
+    for index in range(start, start + steps):
+        started = timer.start()
+        step(index)
+        timer.stop(started)
+    for recorder in reversed(inner):
+        recorder.stop()
+    synchronize(device)
+    window_s = time.perf_counter() - window_start
+    for recorder in reversed(outer):
+        recorder.stop()
+    seconds = timer.seconds()
+    return {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": window_s}
+
+
+def recompile_reasons(limit: Optional[int] = None) -> List[str]:
+    """Why Dynamo recompiled, one line per recompile of this process."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    reasons = [
+        f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
+        for m in get_compilation_metrics()
+        if is_recompile(m)
+    ]
+    return reasons[:limit]
 
 
 class HostTimer:
@@ -178,12 +252,19 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> float:
 
 
 def write_result(
-    path: Path, benchmark: str, title: str, columns: List[str], rows: List[Dict[str, Any]], notes: List[str]
+    path: Path,
+    benchmark: str,
+    title: str,
+    columns: List[str],
+    rows: List[Dict[str, Any]],
+    notes: List[str],
+    meta: Optional[Dict[str, Any]] = None,
 ) -> None:
+    """The result file ``make_report.py`` renders; ``meta`` defaults to this process's ``environment()``."""
     result = {
         "benchmark": benchmark,
         "title": title,
-        "meta": environment(),
+        "meta": meta or environment(),
         "columns": columns,
         "rows": rows,
         "notes": notes,
@@ -199,3 +280,119 @@ def format_table(columns: List[str], rows: List[Dict[str, Any]]) -> str:
         return "-" if value is None else str(value)
 
     return "\n".join(text_table(columns, [[cell(row.get(c)) for c in columns] for row in rows]))
+
+
+def print_table(columns: List[str], rows: List[Dict[str, Any]], baseline: Optional[str] = None) -> None:
+    """The rows side by side; ``baseline`` names the variant the ratio columns divide by."""
+    print(format_table(columns, rows))
+    if baseline:
+        print(f"ratios (*_vs_*) against {baseline}; with repeats, of medians")
+
+
+def add_ratio(
+    rows: List[Dict[str, Any]],
+    name: str,
+    column: str,
+    is_baseline: Callable[[Dict[str, Any]], bool],
+    group: Callable[[Dict[str, Any]], Any] = lambda row: None,
+    inverse: bool = False,
+) -> None:
+    """Set ``row[name]`` to ``row[column]`` over the baseline row's of the same ``group`` (the baseline's over the
+    row's with ``inverse``: a speed-up from times) on every row where both are measured."""
+    baselines = {group(row): row[column] for row in rows if is_baseline(row) and row.get(column)}
+    for row in rows:
+        base = baselines.get(group(row))
+        if base and row.get(column) and not row.get("error"):
+            row[name] = base / row[column] if inverse else row[column] / base
+
+
+def repeated(results: List[Dict[str, Any]], metrics: Sequence[str]) -> Dict[str, Any]:
+    """One row from several runs of a variant: the first run's fields, each of ``metrics`` the median over the runs
+    that measured it, ``spread`` its [min, max] and ``repeats`` how many runs counted (an error if none did)."""
+    done = [result for result in results if not result.get("error")]
+    if len(results) == 1 or not done:
+        return results[0]
+    row = dict(done[0], repeats=len(done), spread={})
+    for metric in metrics:
+        values = [result[metric] for result in done if isinstance(result.get(metric), (int, float))]
+        if values:
+            row[metric] = statistics.median(values)
+            row["spread"][metric] = [min(values), max(values)]
+    return row
+
+
+def fresh_compiler_state() -> Any:
+    """Forget everything compiled in this process (Dynamo's caches, counters and metrics, CUDA-graph trees) and
+    return a context with empty Inductor/Triton caches, on disk and in memory."""
+    import gc
+
+    from torch._dynamo.utils import clear_compilation_metrics, counters
+
+    from compile_trainer import compat
+
+    torch._dynamo.reset()
+    counters.clear()
+    clear_compilation_metrics()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return compat.fresh_inductor_cache()
+
+
+def run_fresh(
+    script: str,
+    args: List[str],
+    timeout: float,
+    caches: Optional[Path] = None,
+    log: Optional[Path] = None,
+) -> Dict[str, Any]:
+    """``python script args... --worker-out FILE`` in a fresh process whose Inductor and Triton caches are empty
+    directories of its own (``caches``' ``inductor`` and ``triton`` when given, which outlive the run), with the
+    caller's PYTHONPATH after the repository root. Returns the JSON the worker wrote (``worker``), with
+    ``process_s``; on a failure or a timeout, with ``error`` (and whatever the worker wrote before), the output
+    appended to ``log``."""
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch:
+        folder = caches or Path(scratch)
+        out = Path(scratch) / "result.json"
+        paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = os.environ | {
+            "PYTHONPATH": os.pathsep.join(paths),
+            "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
+            "TRITON_CACHE_DIR": str(folder / "triton"),
+        }
+        command = [sys.executable, str(script), *args, "--worker-out", str(out)]
+        started, error, output = time.perf_counter(), None, ""
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+            output = done.stdout + done.stderr
+            if done.returncode != 0 or not out.exists():
+                error = f"exit code {done.returncode} | " + _tail(done.stderr or done.stdout)
+        except subprocess.TimeoutExpired as expired:
+            output = _text(expired.stdout) + _text(expired.stderr)
+            error = f"timed out after {timeout:.0f} s | " + _tail(_text(expired.stderr))
+        result = json.loads(out.read_text()) if out.exists() else {}
+    if error is not None:
+        result["error"] = error
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with log.open("a") as file:
+                file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
+    result["process_s"] = time.perf_counter() - started
+    return result
+
+
+def _text(output: Any) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def _tail(output: str) -> str:
+    return " | ".join(output.strip().splitlines()[-3:])[-300:]
+
+
+def worker(out: Path, measure: Callable[[], Any], timeout: Optional[float] = None) -> None:
+    """The fresh process's side of ``run_fresh``: ``measure()``'s result as JSON in ``out``. A crash, or a hang
+    past ``timeout`` seconds (less 10), prints every thread's Python stack."""
+    faulthandler.enable(all_threads=True)
+    if timeout:
+        faulthandler.dump_traceback_later(max(timeout - 10, 5), exit=True)
+    Path(out).write_text(json.dumps(measure()))

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +56,7 @@ from torch import nn  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import format_table, synchronize, write_result  # noqa: E402
+from benchmarks.common import add_ratio, format_table, print_table, run_fresh, synchronize, worker, write_result  # noqa: E402
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")
@@ -236,26 +234,23 @@ def compile_phases() -> Tuple[float, float]:
 def with_full_cold_ratio(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """``vs_full_cold`` on each row: its first step over the ``full`` cold compile of its model without the cache
     (``cold_no_cache``; ``cold``'s when that phase was not run): the goal's base."""
-    full_cold: Dict[str, float] = {}
-    for phase in ("cold", "cold_no_cache"):  # the second wins
-        cold = [r for r in rows if (r["policy"], r["phase"]) == ("full", phase) and "first_step_s" in r]
-        full_cold |= {r["model"]: r["first_step_s"] for r in cold}
-    for row in rows:
-        if row["model"] in full_cold and "first_step_s" in row:
-            row["vs_full_cold"] = row["first_step_s"] / full_cold[row["model"]]
+    no_cache = {
+        r["model"] for r in rows if (r["policy"], r["phase"]) == ("full", "cold_no_cache") and "first_step_s" in r
+    }
+
+    def is_base(row: Dict[str, Any]) -> bool:
+        return row["policy"] == "full" and row["phase"] == ("cold_no_cache" if row["model"] in no_cache else "cold")
+
+    add_ratio(rows, "vs_full_cold", "first_step_s", is_base, group=lambda row: row["model"])
     return rows
 
 
 def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machine: Path, cache_dir: str) -> Dict:
     """``phase`` in a fresh process whose Inductor and Triton caches are ``machine``'s."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(machine / "inductor"), TRITON_CACHE_DIR=str(machine / "triton"))
-    out = machine / f"{phase}.json"
-    command = [sys.executable, __file__, "--phase", phase, "--model", model, "--policy", policy]
-    command += ["--cache-dir", cache_dir, "--phase-out", str(out)] + (["--smoke"] if args.smoke else [])
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if done.returncode != 0 or not out.exists():
-        return {"cache": f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"}
-    return json.loads(out.read_text())
+    command = ["--phase", phase, "--model", model, "--policy", policy, "--cache-dir", cache_dir]
+    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout, caches=machine)
+    result.pop("process_s")
+    return {"cache": f"failed: {result['error']}"} if "error" in result else result
 
 
 def main() -> None:
@@ -271,11 +266,10 @@ def main() -> None:
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
-    parser.add_argument("--phase-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
-        args.phase_out.write_text(json.dumps(run_phase(args)))
-        return
+        return worker(args.worker_out, lambda: run_phase(args), args.timeout)
 
     notes = [
         "Each phase a fresh process; first_step_s counts the bundle's load, the compile and the first step "
@@ -313,7 +307,9 @@ def main() -> None:
                     write_result(args.out, "compile_cache", title, COLUMNS, with_full_cold_ratio(earlier + rows), notes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(format_table(COLUMNS, with_full_cold_ratio(earlier + rows)))
+    print_table(
+        COLUMNS, with_full_cold_ratio(earlier + rows), baseline="cold (vs_cold), full's cold compile (vs_full_cold)"
+    )
     print(f"wrote {args.out}")
 
 

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import format_table, quiet_trainer, write_result  # noqa: E402
+from benchmarks.common import print_table, quiet_trainer, write_result  # noqa: E402
 from recipes.gpt import GPTConfig, LanguageModel  # noqa: E402
 
 MODEL = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -129,7 +129,7 @@ def main() -> None:
             rows.append(row | (compare(result, eager[loop]) if "error" not in result else result | {"ok": False}))
     notes = [f"{config}; {args.steps} optimizer steps; device {device}; fp32"]
     write_result(args.out, "cuda_graph_checks", "CUDA graphs with gradient accumulation vs eager", COLUMNS, rows, notes)
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="eager (max_*_rel_diff)")
 
 
 if __name__ == "__main__":

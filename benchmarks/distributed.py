@@ -28,18 +28,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.common import format_table, write_result  # noqa: E402
+from benchmarks.common import print_table, quiet_trainer, run_fresh, write_result  # noqa: E402
 
 COLUMNS = [
     "model", "experiment", "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "first_step_s_by_rank",
@@ -124,8 +123,7 @@ def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One training job (every rank runs this); rank 0 writes its row to ``args.out``."""
-    import lightning.pytorch as pl
+    """One training job (every rank runs this); rank 0 writes its row to ``args.worker_out``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from compile_trainer import CompileCallback
@@ -143,16 +141,14 @@ def worker(args: argparse.Namespace) -> None:
     strategy: Any = "auto"
     if args.gpus > 1:
         strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
-    trainer = pl.Trainer(
-        accelerator="gpu" if on_gpu else "cpu", devices=args.gpus, strategy=strategy, max_steps=args.steps,
-        callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true", logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        use_distributed_sampler=False,
+    trainer = quiet_trainer(
+        torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy, max_steps=args.steps,
+        callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(module)
     summary = callback.summary()
     if trainer.global_rank == 0:
-        Path(args.out).write_text(json.dumps(result_row(args, summary)))
+        args.worker_out.write_text(json.dumps(result_row(args, summary)))
     if torch.distributed.is_initialized():
         # Every rank leaves the group before exiting: left to interpreter teardown, gloo's threads have aborted
         # a rank ("terminate called without an active exception", once in a CI rehearsal).
@@ -200,32 +196,17 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     gpus, and optionally collectives and cache_dir."""
     run = {"experiment": "scaling", "collectives": False, "cache_dir": None} | run
     name = "-".join(str(v) for v in run.values() if v not in (None, False)).replace("/", "_")
-    out = folder / f"{name}.json"
-    command = [
-        sys.executable, __file__, "--worker", "--out", str(out), "--batch", str(args.batch), "--steps", str(args.steps),
-        *(["--smoke"] if args.smoke else []),
-    ]  # fmt: skip
+    command = ["--worker", "--batch", str(args.batch), "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
     for key, value in run.items():
         if value not in (None, False):
             command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    local_caches = tempfile.mkdtemp(prefix=f"{name}-", dir=folder)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
-        "TORCHINDUCTOR_CACHE_DIR": f"{local_caches}/inductor",
-        "TRITON_CACHE_DIR": f"{local_caches}/triton",
-    }
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
-        failed = result.returncode != 0 or not out.exists()
-        error = (result.stderr.strip().splitlines() or ["no output"])[-1][:300] if failed else None
-    except subprocess.TimeoutExpired:
-        failed, error = True, f"timed out after {args.timeout} s"
-    if failed:
+    result = run_fresh(__file__, command, args.timeout, caches=Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder)))
+    result.pop("process_s")
+    if result.get("error"):
         keys = ("model", "experiment", "policy", "gpus")
         row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
-        return row | {"error": error}
-    return json.loads(out.read_text())
+        return row | {"error": result["error"]}
+    return result
 
 
 def compare_to_one(rows: List[Dict[str, Any]]) -> None:
@@ -270,7 +251,7 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, 2 gloo processes, tiny models, aot_eager")
     parser.add_argument("--models", default="gpt2,llama", help="gpt2 (the recipe's GPT-2 small), llama (HF)")
     parser.add_argument("--experiments", default="scaling,collectives,cache")
@@ -284,6 +265,7 @@ def main() -> None:
     for hidden in ("model", "experiment", "strategy", "policy", "cache-dir"):
         parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
     parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.smoke else 8)
     args.steps = args.steps or (4 if args.smoke else 30)
@@ -312,7 +294,7 @@ def main() -> None:
         "+collectives turns on distributed.consistent_dynamic_shapes.",
     ]
     write_result(Path(args.out), "distributed", "Compile policies under DDP and FSDP2", COLUMNS, rows, notes)
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="one device of the same model and policy (*_vs_1; cache: the cold row)")
 
 
 if __name__ == "__main__":

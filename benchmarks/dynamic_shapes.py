@@ -35,7 +35,15 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import format_table, frame_compile_seconds, is_recompile, synchronize, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_ratio,
+    frame_compile_seconds,
+    is_recompile,
+    print_table,
+    synchronize,
+    write_result,
+)
+from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
@@ -136,12 +144,6 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
     }
 
 
-def fresh_inductor_cache() -> Any:
-    from torch._inductor import utils
-
-    return getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
-
-
 def main(argv: List[str] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -175,16 +177,14 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
     columns = COLUMNS + ["speedup_vs_plain"]
     rows = []
     for variant in variants:
-        with fresh_inductor_cache()():
+        with compat.fresh_inductor_cache():
             rows.append(run_variant(variant, args, config, device))
         print(f"{variant}: {rows[-1]['total_s']:.1f} s, {rows[-1]['graphs']} graphs", flush=True)
-        plain = next((row for row in rows if row["variant"] == "plain"), None)
-        for row in rows:
-            row["speedup_vs_plain"] = plain["total_s"] / row["total_s"] if plain else None
+        add_ratio(rows, "speedup_vs_plain", "total_s", lambda row: row["variant"] == "plain", inverse=True)
         # written after every variant, so a run cut short still leaves what it measured
         title = "Variable sequence lengths: plain vs dynamic vs buckets"
         write_result(args.out, "dynamic_shapes", title, columns, rows, notes)
-    print(format_table(columns, rows))
+    print_table(columns, rows, baseline="plain")
     return {"rows": rows}
 
 

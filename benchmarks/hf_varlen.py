@@ -31,7 +31,6 @@ import collections
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,15 +43,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    add_ratio,
     environment,
-    format_table,
+    fresh_compiler_state,
     is_recompile,
+    print_table,
+    run_fresh,
     split_variant,
     synchronize,
     with_rule_changes,
+    worker,
     write_result,
 )
-from benchmarks.real_models import build_model, fresh_compiler_state  # noqa: E402
+from benchmarks.real_models import build_model  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import to_policy  # noqa: E402
@@ -284,16 +287,13 @@ def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
-    by_name = {row["variant"]: row for row in rows if "error" not in row}
+    """Against plain's total (or, where plain timed out, the seconds it ran) and fixed_length's steady tokens/s."""
+    add_ratio(rows, "vs_plain_total", "total_s", lambda row: row["variant"] == "plain")
     plain_ran_s = next((row["ran_s"] for row in rows if row["variant"] == "plain" and "ran_s" in row), None)
-    for row in by_name.values():
-        if "plain" in by_name:
-            row["vs_plain_total"] = row["total_s"] / by_name["plain"]["total_s"]
-        elif plain_ran_s:
+    for row in rows:
+        if plain_ran_s and "total_s" in row and "vs_plain_total" not in row:
             row["vs_plain_total_at_most"] = row["total_s"] / plain_ran_s
-        reference = by_name.get("fixed_length", {}).get("steady_real_tokens_per_s")
-        if reference and row["steady_real_tokens_per_s"]:
-            row["vs_fixed_length"] = row["steady_real_tokens_per_s"] / reference
+    add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", lambda row: row["variant"] == "fixed_length")
 
 
 def main() -> None:
@@ -324,6 +324,7 @@ def main() -> None:
     parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
     parser.add_argument("--plain-timeout", type=int, help="seconds for plain (default: --variant-timeout)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     for variant in args.variants:
         variant_policy(variant)
@@ -331,8 +332,7 @@ def main() -> None:
         args.steps, args.batch_size, args.min_length, args.max_length, args.backend = 8, 2, 8, 64, "aot_eager"
     if args.worker:
         with fresh_compiler_state():
-            print(json.dumps(run_variant(args.worker, args)))
-        return
+            return worker(args.worker_out, lambda: run_variant(args.worker, args))
     notes = [
         f"{args.steps} steps, batch {args.batch_size}, batch lengths uniform in {args.min_length}..{args.max_length} "
         f"(seed {args.seed}), {ROWS[args.rows]}; HF Llama (16 layers, d 1024, vocab "
@@ -351,22 +351,21 @@ def main() -> None:
     title = "Variable-length batches on HF Llama: plain torch.compile vs dynamic vs buckets"
     rows = []
     for variant in args.variants:
-        command = [sys.executable, __file__, "--worker", variant] + sys.argv[1:]
         timeout = args.plain_timeout if variant == "plain" and args.plain_timeout else args.variant_timeout
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+        log = args.out.with_name(f"{args.out.stem}.errors.log")
+        result = run_fresh(__file__, ["--worker", variant, *sys.argv[1:]], timeout, log=log)
+        result.pop("process_s")
+        if result.get("error", "").startswith("timed out"):
             rows.append({"variant": variant, "error": f"did not finish within {timeout} s", "ran_s": timeout})
+        elif "error" in result:
+            rows.append({"variant": variant, "error": result["error"]})
+            print(f"{variant}: failed (output in {log})", flush=True)
         else:
-            if done.returncode != 0:
-                rows.append({"variant": variant, "error": done.stderr.strip().splitlines()[-1:]})
-                print(f"{variant}: failed\n{done.stderr[-3000:]}", flush=True)
-            else:
-                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
+            rows.append(result)
+            print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
         add_ratios(rows)
         write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)  # after each: a cut-short run keeps its rows
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)")
 
 
 if __name__ == "__main__":

@@ -17,21 +17,26 @@ Importable without hydra and wandb (the GPU image has neither; omegaconf is carr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import PEAK_BF16_FLOPS, format_table, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    PEAK_BF16_FLOPS,
+    StepTimer,
+    print_table,
+    quiet_trainer,
+    run_fresh,
+    worker,
+    write_result,
+)
 from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
@@ -84,42 +89,24 @@ def make_module(name: str, net: nn.Module) -> Any:
     return Plain()
 
 
-class StepClock:
-    """Each training step's time on the device's timeline (CUDA events; the host clock elsewhere)."""
-
-    def __init__(self) -> None:
-        import lightning.pytorch as pl
-
-        clock = self
-
-        class Hooks(pl.Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                clock.marks.append(clock._mark())
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                clock.marks.append(clock._mark())
-
-        self.callback, self.marks = Hooks(), []
-
-    def _mark(self) -> Any:
-        if not torch.cuda.is_available():
-            import time
-
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def seconds(self) -> List[float]:
-        pairs = list(zip(self.marks[::2], self.marks[1::2]))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            return [start.elapsed_time(end) / 1e3 for start, end in pairs]
-        return [end - start for start, end in pairs]
-
-
-def worker(args: argparse.Namespace) -> Dict[str, Any]:
+def step_clock(device: torch.device) -> Any:
+    """A callback timing each training step on the device's timeline (``StepTimer``: CUDA events on a GPU)."""
     import lightning.pytorch as pl
+
+    class StepClock(pl.Callback):
+        def __init__(self) -> None:
+            self.timer, self.started = StepTimer(device), None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.started = self.timer.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.timer.stop(self.started)
+
+    return StepClock()
+
+
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
 
     from compile_trainer import CompileCallback
 
@@ -141,14 +128,10 @@ def worker(args: argparse.Namespace) -> Dict[str, Any]:
     elif args.variant != "eager":
         compile_callback = CompileCallback(args.variant, **({"backend": "aot_eager"} if args.smoke else {}))
         callbacks.append(compile_callback)
-    clock = StepClock()
-    trainer = pl.Trainer(
-        accelerator="gpu" if on_gpu else "cpu", devices=1, precision="bf16-mixed", max_steps=args.steps,
-        callbacks=[clock.callback, *callbacks], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
+    clock = step_clock(device)
+    trainer = quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
     trainer.fit(make_module(args.model, net), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
-    seconds = clock.seconds()
+    seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     units = "tokens" if args.model == "llama" else "images"
     per_step = data[0]["input_ids"].numel() if args.model == "llama" else data[0][0].shape[0]
@@ -166,22 +149,15 @@ def worker(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
-    with tempfile.TemporaryDirectory() as caches:
-        out = Path(caches) / "row.json"
-        command = [sys.executable, __file__, "--worker", "--model", model, "--variant", variant, "--out", str(out)]
-        command += ["--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": caches, "TRITON_CACHE_DIR": f"{caches}/triton"}
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-            error = None if out.exists() else (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {args.timeout} s"
-        return json.loads(out.read_text()) if error is None else {"model": model, "variant": variant, "error": error}
+    command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
+    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
+    result.pop("process_s")
+    return result if not result.get("error") else {"model": model, "variant": variant, "error": result["error"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lightning_dropin.json")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, backend aot_eager")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -190,11 +166,11 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps or (4 if args.smoke else 50)
     if args.worker:
-        Path(args.out).write_text(json.dumps(worker(args)))
-        return
+        return worker(args.worker_out, lambda: measure(args), args.timeout)
     rows = [run_variant(args, m, v) for m in args.models.split(",") for v in args.variants.split(",")]
     notes = [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
@@ -207,7 +183,7 @@ def main() -> None:
     write_result(
         Path(args.out), "lightning_dropin", "The callback dropped into a plain LightningModule", COLUMNS, rows, notes
     )
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="the benchmark's own clock (summary_*_vs_own)")
 
 
 if __name__ == "__main__":

@@ -8,11 +8,14 @@ Layout of ``benchmarks/results/``:
   with its default ``--out`` replaces it);
 - ``<sweep>/``: a sweep's runs (``python train.py -m ...``; one ``result.json`` per run);
 - ``experiments/<what it tested>.json``: earlier and side runs, each with an ``"experiment"`` string that says
-  what it tested (the section's heading);
+  what it tested (the section's heading); a former headline measured on an older definition of a bundled policy
+  also says what changed since (``"changed_since"``); ``experiments/<sweep>/`` holds a former headline sweep, its
+  ``experiment.json`` those two strings;
 - ``<name>.md`` beside a JSON file: what the numbers say, written by whoever ran it (printed after the table).
 
 The page has a "Headlines" part (one section per benchmark) and an "Experiments" part. Every section states
-the device, versions, date and command of the run that measured it. No two sections share a heading.
+the device, versions, date and command of the run that measured it; a headline also its commit and whether its
+numbers are medians over repeats. No two sections share a heading.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ HEADLINE_ORDER = [
 ]
 # Experiment sections grouped by question, in this order; other experiment files follow, newest first.
 EXPERIMENT_ORDER = [
+    "train_step_regional_rest_compile",
     "train_step_regional_goal_200_steps",
     "train_step_regional_goal_200_steps_fx_race_failure",
     "train_step_lightning_vs_raw_30_steps_cudagraphs",
@@ -59,6 +63,8 @@ EXPERIMENT_ORDER = [
     "train_step_slower_host_earlier_full_run",
 ]
 PHASES = ("total_wall_time", "entire_frame_compile", "entire_backward_compile", "backend_compile", "code_gen")
+# The files the train-step plot is drawn from: the headline, or while there is none, the former headline.
+PLOTTED = ("train_step", "train_step_regional_rest_compile")
 SKIP_COLUMNS = {"compile_breakdown", "syncs_in_timed_steps", "host_profile", "compile_kwargs", "compile_phases_s"}
 
 
@@ -90,11 +96,29 @@ def meta_line(result: Dict[str, Any]) -> str:
     )
 
 
-def result_body(path: str, result: Dict[str, Any]) -> List[str]:
+def headline_line(result: Dict[str, Any]) -> str:
+    """What a headline's numbers stand on: the commit that measured them, and one run or medians over repeats."""
+    commit = (result.get("meta") or {}).get("commit")
+    line = f"Commit `{commit}`." if commit else "Commit not recorded."
+    repeats = [row["repeats"] for row in result.get("rows", []) if row.get("repeats")]
+    if repeats:
+        counts = f"{min(repeats)}" if min(repeats) == max(repeats) else f"{min(repeats)}-{max(repeats)}"
+        return f"{line} Timings and ratios are medians over {counts} fresh runs a row; `spread`: each one's min, max."
+    return f"{line} Single run, no spread."
+
+
+def changed_line(result: Dict[str, Any]) -> List[str]:
+    """A former headline's note: the bundled policy it measured has been redefined since."""
+    changed = result.get("changed_since")
+    return [f"**Measured on an older definition; what changed since:** {changed}", ""] if changed else []
+
+
+def result_body(path: str, result: Dict[str, Any], headline: bool = False) -> List[str]:
     """The lines under a result file's heading: where it is and what measured it, its table, notes, commentary."""
     benchmark = result.get("benchmark")
     source = f"`{path}`" + (f" (benchmark `{benchmark}`)" if benchmark else "")
-    lines = [f"{source}. {meta_line(result)}", ""]
+    lines = changed_line(result) + [f"{source}. {meta_line(result)}", ""]
+    lines += [headline_line(result), ""] if headline else []
     if "rows" in result:
         lines += markdown_table(result["columns"], result["rows"])
         lines += [""] + [f"- {note}" for note in result.get("notes", [])]
@@ -106,7 +130,9 @@ def result_body(path: str, result: Dict[str, Any]) -> List[str]:
                 lines.append(f"- {row['variant']}: " + "; ".join(row["host_profile"][:8]))
     else:  # a flat result: one row per scalar field
         scalars = {
-            k: v for k, v in result.items() if not isinstance(v, (dict, list)) and k not in ("title", "recorded")
+            k: v
+            for k, v in result.items()
+            if not isinstance(v, (dict, list)) and k not in ("title", "recorded", "benchmark")
         }
         lines += ["| field | value |", "|---|---|"] + [f"| {k} | {cell(v)} |" for k, v in scalars.items()]
     return lines + [""]
@@ -119,11 +145,14 @@ def commentary(json_path: Path) -> List[str]:
 
 
 def load_sweep(directory: Path) -> Optional[Dict[str, Any]]:
-    """A sweep's runs (``<directory>/<job>/result.json``), or None when the directory holds none."""
+    """A sweep's runs (``<directory>/<job>/result.json``) and, for a former headline, its ``experiment.json``; or
+    None when the directory holds no runs."""
     runs = []
     for path in sorted(directory.glob("*/result.json"), key=lambda p: (len(p.parent.name), p.parent.name)):
         runs.append(json.loads(path.read_text()))
-    return {"name": directory.name, "runs": runs} if runs else None
+    about = directory / "experiment.json"
+    extra = json.loads(about.read_text()) if about.exists() else {}
+    return {"name": directory.name, "runs": runs, **extra} if runs else None
 
 
 def sweep_title(sweep: Dict[str, Any]) -> str:
@@ -140,13 +169,14 @@ def sweep_body(path: str, sweep: Dict[str, Any], out_dir: Path) -> List[str]:
     # the overrides every run shares make the command; the ones that differ are what the sweep varied
     shared = [o for o in first.get("overrides", []) if all(o in run.get("overrides", []) for run in runs)]
     command = " ".join(["python train.py -m", *shared])
-    lines = [
+    lines = changed_line(sweep) + [
         f"`{path}` ({len(runs)} runs, one `result.json` each). Measured on "
         f"{environment.get('device', {}).get('name')} with torch {versions.get('torch')}, triton "
         f"{versions.get('triton', '-')}, lightning {versions.get('lightning', '-')}, on "
         f"{(first.get('started_at') or '-')[:10]}; command: `{command}`",
         "",
     ]
+    lines += [] if "changed_since" in sweep else [headline_line({"meta": {"commit": first.get("commit")}}), ""]
     baseline = next((r for r in runs if r.get("policy") == "none" and r.get("status") == "ok"), None)
     base_tps = (baseline or {}).get("summary", {}).get("steady_items_per_s")
     rows = []
@@ -221,6 +251,13 @@ def train_step_plot(result: Dict[str, Any], path: Path) -> bool:
     return True
 
 
+def plot(name: str, result: Dict[str, Any], out_dir: Path, plotted: Optional[str]) -> List[str]:
+    """The train-step plot, under the section of ``plotted`` (the first of ``PLOTTED`` there is)."""
+    if name != plotted or "rows" not in result or not train_step_plot(result, out_dir / "train_step.png"):
+        return []
+    return ["![cold start vs throughput](train_step.png)", ""]
+
+
 def anchor(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
@@ -242,12 +279,12 @@ def main() -> None:
     # (heading, body lines) per section, in page order
     headlines: List[tuple] = []
     files = {p.stem: p for p in sorted(args.results.glob("*.json"))}
+    experiment_files = {p.stem for p in (args.results / EXPERIMENTS).glob("*.json")}
+    plotted = next((name for name in PLOTTED if name in files or name in experiment_files), None)
     for name in ordered(sorted(files), HEADLINE_ORDER):
         result = json.loads(files[name].read_text())
-        body = result_body(f"{shown}/{name}.json", result) + commentary(files[name])
-        if name == "train_step" and "rows" in result and train_step_plot(result, out_dir / "train_step.png"):
-            body += ["![cold start vs throughput](train_step.png)", ""]
-        headlines.append((result.get("title") or name, body))
+        body = result_body(f"{shown}/{name}.json", result, headline=True) + commentary(files[name])
+        headlines.append((result.get("title") or name, body + plot(name, result, out_dir, plotted)))
     for directory in sorted(p for p in args.results.iterdir() if p.is_dir() and p.name != EXPERIMENTS):
         sweep = load_sweep(directory)
         if sweep is not None:
@@ -260,7 +297,12 @@ def main() -> None:
         path, result = loaded[name]
         heading = result.get("experiment") or f"{result.get('title', name)} ({name})"
         body = result_body(f"{shown}/{EXPERIMENTS}/{name}.json", result) + commentary(path)
-        experiments.append((heading, body))
+        experiments.append((heading, body + plot(name, result, out_dir, plotted)))
+    for directory in sorted(p for p in (args.results / EXPERIMENTS).iterdir() if p.is_dir()):
+        sweep = load_sweep(directory)
+        if sweep is not None:
+            heading = sweep.get("experiment") or sweep_title(sweep)
+            experiments.append((heading, sweep_body(f"{shown}/{EXPERIMENTS}/{directory.name}/", sweep, out_dir)))
 
     seen: Dict[str, int] = {}
     for sections in (headlines, experiments):  # no two sections share a heading (nor an anchor)
@@ -277,6 +319,14 @@ def main() -> None:
         "date and command of the run that measured it; the text after a table was written by whoever ran it.",
         "What the numbers mean and what was decided from them: docs/regional.md, docs/optimizer.md,",
         "docs/dynamic_shapes.md, docs/telemetry.md, docs/sweep_gpt2_small.md.",
+        "",
+        "Adding a benchmark: a script in `benchmarks/` holds its models, its variants (`name@key=value` for an",
+        "experiment on a bundled policy: `split_variant`) and a function that measures one variant; the harness in",
+        "`benchmarks/common.py` runs each variant in a fresh process with empty Inductor/Triton caches (`run_fresh`",
+        "and, in the process, `worker`), times steps (`StepTimer`, medians and spread over `repeated` runs), writes",
+        "the result file (`write_result`: meta with device, versions, date, command and git commit) and prints it",
+        "side by side with ratios against a baseline (`add_ratio`, `print_table`). A headline measured on an older",
+        "definition of a bundled policy moves to `experiments/` with a `changed_since` note.",
         "",
         f"- [Headlines](#headlines): one section per benchmark, its latest full run (`{shown}/<benchmark>.json`,",
         f"  a sweep's runs in `{shown}/<sweep>/`).",

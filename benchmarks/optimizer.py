@@ -50,7 +50,6 @@ the implementation the compiled update follows op for op; clipped rows: for-loop
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
@@ -67,7 +66,8 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import StepTimer, format_table, frame_compile_seconds, is_recompile, write_result  # noqa: E402
+from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile, print_table, write_result  # noqa: E402
+from compile_trainer import compat  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
@@ -226,14 +226,6 @@ def make_optimizer(variant: str, params: List[torch.Tensor], device: torch.devic
     return optimizer, scheduler, step
 
 
-def fresh_compile_caches():
-    """Cold compiles for every variant (Inductor's on-disk caches would hide compile time after the first)."""
-    from torch._inductor import utils
-
-    fresh = getattr(utils, "fresh_cache", None) or getattr(utils, "fresh_inductor_cache", None)
-    return fresh() if fresh is not None else contextlib.nullcontext()
-
-
 def set_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     """Each parameter's own gradient tensor, as a backward after ``zero_grad(set_to_none=True)`` leaves it."""
     for param, grad in zip(params, grads):
@@ -287,7 +279,7 @@ def run_variant(
     breaks_before = sum(counters["graph_break"].values())
     row: Dict[str, Any] = {"variant": variant}
     training = IN_TRAINING in variant
-    with fresh_compile_caches():
+    with compat.fresh_inductor_cache():  # a cold compile for every variant
         if variant == BACKWARD_ALONE:
             optimizer, scheduler, step = no_optimizer(params)
         else:
@@ -482,7 +474,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         print(f"{name}: {rows[-1]}", flush=True)
         save()
     finished = save()
-    print(format_table(COLUMNS, finished))
+    print_table(COLUMNS, finished, baseline="fused, or fused + clip for the rows that clip (ratio, vs_fused)")
     print("\n".join(notes_for(finished, args, params, param_bytes)))
     return finished
 

@@ -20,15 +20,9 @@ CPU smoke run (tiny configs of the same families, aot_eager backend, all in one 
 from __future__ import annotations
 
 import argparse
-import faulthandler
-import gc
-import importlib.metadata
 import importlib.util
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -42,16 +36,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
-    StepTimer,
     environment,
-    format_table,
     frame_compile_seconds,
-    is_recompile,
+    fresh_compiler_state,
     peak_flops,
+    print_table,
+    recompile_reasons,
+    run_fresh,
     split_variant,
-    synchronize,
+    time_steps,
     timed,
     with_rule_changes,
+    worker,
+    write_result,
 )
 
 
@@ -378,23 +375,15 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
     first_step = timed(device, lambda: step(0))
     for index in range(1, args.warmup):
         step(index)
-    timer = StepTimer(device)
-    synchronize(device)
-    window_start = time.perf_counter()
-    for index in range(args.warmup, args.warmup + args.steps):
-        started = timer.start()
-        step(index)
-        timer.stop(started)
-    synchronize(device)
-    window = time.perf_counter() - window_start
+    times = time_steps(device, step, args.steps, args.warmup)
     telemetry.collect()
     totals = telemetry.totals()
     return {
         "first_step_s": first_step,
-        "step_ms": timer.median() * 1e3,
-        "step_s": timer.median(),
-        "slowest_step_ms": max(timer.seconds()) * 1e3,
-        "window_s": window,
+        "step_ms": times["step_s"] * 1e3,
+        "step_s": times["step_s"],
+        "slowest_step_ms": times["slowest_step_s"] * 1e3,
+        "window_s": times["window_s"],
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
         "recompiles": totals["recompiles"],
@@ -407,34 +396,14 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
             [str(m.compile_id), m.co_name or "backward", round(frame_compile_seconds(m), 3)]
             for m in get_compilation_metrics()
         ],
-        "recompile_reasons": [
-            f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
-            for m in get_compilation_metrics()
-            if is_recompile(m)
-        ][:10],
+        "recompile_reasons": recompile_reasons(limit=10),
         "losses": [float(loss) for loss in losses],
     }
 
 
-def fresh_compiler_state() -> Any:
-    """Forget everything compiled in this process (Dynamo's caches, counters and metrics, CUDA-graph trees) and
-    return a context with empty Inductor/Triton caches, on disk and in memory."""
-    import torch._inductor.utils as inductor_utils
-    from torch._dynamo.utils import clear_compilation_metrics, counters
-
-    torch._dynamo.reset()
-    counters.clear()
-    clear_compilation_metrics()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
-    return fresh()
-
-
-def run_worker(args: argparse.Namespace) -> None:
+def run_worker(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
     """Run ``args.worker_runs`` (``model:variant``) one after the other, the compiler's state and caches reset
-    before each; write each one's result as soon as it is done."""
+    before each; write each one's result as soon as it is done (a run cut short keeps the ones before)."""
     if torch.cuda.is_available() and not args.smoke:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
@@ -449,6 +418,7 @@ def run_worker(args: argparse.Namespace) -> None:
             message = f"{type(error).__name__}: {error}".strip()[:400]
             results[run] = {"error": message, "traceback": traceback.format_exc()}
         args.worker_out.write_text(json.dumps(results))
+    return results
 
 
 # -- the run: workers, budget, summary -----------------------------------------------------------------------
@@ -516,40 +486,19 @@ def split_commands(per_model: Dict[str, float], budget: float) -> List[List[str]
 def run_worker_process(
     runs: List[Tuple[str, str]], args: argparse.Namespace, timeout: float
 ) -> Dict[Tuple[str, str], Dict[str, Any]]:
-    """``runs`` in one fresh process with empty compile caches (emptied again before each run)."""
+    """``runs`` in one fresh process with empty compile caches (emptied again before each run); a failure's
+    output and each run's traceback go to one log beside ``--out``."""
     keys = [f"{name}:{variant}" for name, variant in runs]
-    with tempfile.TemporaryDirectory() as cache:
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        out = Path(cache) / "result.json"
-        command = [sys.executable, __file__, "--worker-out", str(out), "--worker-runs", *keys, *args.passthrough]
-        command.append(f"--variant-timeout={int(timeout)}")
-        error = None
-        try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode != 0:
-                append_log(args, f"{' '.join(keys)}: exit code {proc.returncode}", proc.stdout + proc.stderr)
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                error = f"exit code {proc.returncode} | " + " | ".join(tail)[-300:]
-        except subprocess.TimeoutExpired as expired:
-            tail = (expired.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
-            error = f"timed out after {int(timeout)} s | " + " | ".join(tail)[-300:]
-        results = json.loads(out.read_text()) if out.exists() else {}
-        for key, result in results.items():
-            if "traceback" in result:
-                append_log(args, key, result.pop("traceback"))
-                result["log"] = log_path(args).name
-        return {run: results.get(key) or {"error": error or "no result"} for run, key in zip(runs, keys)}
-
-
-def log_path(args: argparse.Namespace) -> Path:
-    return args.out.with_name(f"{args.out.stem}.errors.log")
-
-
-def append_log(args: argparse.Namespace, heading: str, text: str) -> None:
-    """Keep a failure's traceback or output in one file beside ``--out`` (one file, whatever fails)."""
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with log_path(args).open("a") as log:
-        log.write(f"==== {heading} ({time.strftime('%H:%M:%S')})\n{text.rstrip()}\n\n")
+    log = args.out.with_name(f"{args.out.stem}.errors.log")
+    passthrough = [*args.passthrough, f"--variant-timeout={int(timeout)}"]
+    results = run_fresh(__file__, ["--worker-runs", *keys, *passthrough], timeout, log=log)
+    error, _ = results.pop("error", None), results.pop("process_s")
+    for key in keys:
+        if "traceback" in results.get(key, {}):
+            with log.open("a") as file:
+                file.write(f"==== {key} ({time.strftime('%H:%M:%S')})\n{results[key].pop('traceback').rstrip()}\n\n")
+            results[key]["log"] = log.name
+    return {run: results.get(key) or {"error": error or "no result"} for run, key in zip(runs, keys)}
 
 
 def rel_diff(losses: List[float], reference: List[float]) -> Optional[float]:
@@ -618,28 +567,9 @@ def batch_text(name: str, smoke: bool) -> str:
     return f"{batch} x {size} tokens" if spec.family == "lm" else f"{batch} images of 3 x {size} x {size}"
 
 
-def versions() -> Dict[str, Optional[str]]:
-    """The installed versions of the model libraries (read from their metadata, without importing them)."""
-    found = {}
-    for name in ("transformers", "timm", "accelerate", "lightning"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
 def write(path: Path, rows: List[Dict[str, Any]], notes: List[str], meta: Dict[str, Any]) -> None:
-    result = {
-        "benchmark": "real_models",
-        "title": "Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies",
-        "meta": meta,
-        "columns": COLUMNS,
-        "rows": rows,
-        "notes": notes,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    title = "Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies"
+    write_result(path, "real_models", title, COLUMNS, rows, notes, meta)
 
 
 def main() -> None:
@@ -685,10 +615,7 @@ def main() -> None:
     args.variants = list(PEERS) if args.variants is None else args.variants
     args.policies = DEFAULT_POLICIES if args.policies is None else args.policies
     if args.worker_runs:
-        faulthandler.enable(all_threads=True)  # a crash or a hang shows every thread's Python stack
-        faulthandler.dump_traceback_later(max(args.variant_timeout - 10, 5), exit=True)
-        run_worker(args)
-        return
+        return worker(args.worker_out, lambda: run_worker(args), args.variant_timeout)
 
     variants = args.variants + [POLICY_PREFIX + p for p in args.policies]
     requested = [(name, variant) for name in args.models for variant in variants]
@@ -714,7 +641,7 @@ def main() -> None:
     args.passthrough += [f"--peak-tflops={args.peak_tflops}"] if args.peak_tflops else []
     args.passthrough += [flag for flag, on in (("--smoke", args.smoke), ("--channels-last", args.channels_last)) if on]
 
-    meta = environment() | versions() | {"isolation": args.isolation}
+    meta = environment() | {"isolation": args.isolation}
     results: Dict[Tuple[str, str], Dict[str, Any]] = {}
     order: List[Tuple[str, str]] = []
     old: Dict[str, Any] = {"notes": []}
@@ -768,7 +695,7 @@ def main() -> None:
         write(args.out, summarize(results, done), notes, meta | {"wall_s": time.perf_counter() - started})
     rows = summarize(results, order)
     write(args.out, rows, notes, meta | {"wall_s": time.perf_counter() - started})
-    print(format_table(TABLE_COLUMNS, rows))
+    print_table(TABLE_COLUMNS, rows, baseline="eager (speedup), the faster full compile (*_vs_full)")
     diffs = [r["loss_rel_diff_vs_eager"] for r in rows if r.get("loss_rel_diff_vs_eager") is not None]
     if diffs:
         print(f"first losses vs eager: largest relative difference {max(diffs):.2e}")

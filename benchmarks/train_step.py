@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import faulthandler
 import gc
 import json
 import math
-import os
 import pstats
-import subprocess
+import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
@@ -38,12 +35,17 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import (  # noqa: E402
     HostTimer,
     StepTimer,
-    format_table,
-    is_recompile,
+    add_ratio,
     peak_flops,
+    print_table,
     quiet_trainer,
+    recompile_reasons,
+    repeated,
+    run_fresh,
     synchronize,
+    time_steps,
     timed,
+    worker,
     write_result,
 )
 from recipes.data import read_stdlib_bytes  # noqa: E402
@@ -341,31 +343,18 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         offset += 1
     for index in range(offset, offset + args.warmup - 1):
         step(index)
-    timer = StepTimer(device)
     syncs = SyncRecorder(args.sync_debug)
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     collections = GcRecorder(args.gc)
-    collections.start()
-    synchronize(device)
-    window_start = time.perf_counter()
-    syncs.start()
-    host.start()
-    for index in range(offset + args.warmup - 1, offset + args.warmup - 1 + args.steps):
-        started = timer.start()
-        step(index)
-        timer.stop(started)
-    host.stop()
-    syncs.stop()
-    synchronize(device)
-    window = time.perf_counter() - window_start
-    collections.stop()
+    start = offset + args.warmup - 1
+    times = time_steps(device, step, args.steps, start, outer=[collections], inner=[syncs, host])
     host_timer = HostTimer(device)
     first_host_step = offset + args.warmup - 1 + args.steps
     for index in range(first_host_step, first_host_step + args.host_steps + 1):
         host_timer.step_start()
         step(index)
     synchronize(device)
-    result = finish(first_step, timer, window, args, config, device, flops, losses)
+    result = finish(first_step, times, args, config, device, flops, losses)
     result["host_ms"] = host_timer.median_ms()
     extra = background_result(background) | collections.result()
     return result | extra | {"syncs": syncs.sites, "host_profile": host.top()}
@@ -485,7 +474,9 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
     trainer.fit(module, train_dataloaders=loader)
-    result = finish(clock.first_step, clock.timer, clock.window, args, config, device, flops, clock.losses)
+    seconds = clock.timer.seconds()
+    times = {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": clock.window}
+    result = finish(clock.first_step, times, args, config, device, flops, clock.losses)
     result["host_ms"] = clock.host_timer.median_ms()
     extra = background_result(compile_callback.background) | clock.collections.result()
     choices = [step.choice.describe() for step in compile_callback.optimizer_steps if step.choice]
@@ -493,26 +484,22 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
-def finish(first_step, timer, window, args, config, device, flops, losses) -> Dict[str, Any]:
-    from torch._dynamo.utils import calculate_time_spent, counters, get_compilation_metrics
+def finish(first_step, times, args, config, device, flops, losses) -> Dict[str, Any]:
+    from torch._dynamo.utils import calculate_time_spent, counters
 
-    steps, step_time = args.steps, timer.median()
+    steps, step_time, window = args.steps, times["step_s"], times["window_s"]
     tokens = args.batch_size * config.block_size
     peak = peak_flops(device)
     return {
         "first_step_s": first_step,
         "step_ms": step_time * 1e3,
-        "slowest_step_ms": max(timer.seconds()) * 1e3,
+        "slowest_step_ms": times["slowest_step_s"] * 1e3,
         "tokens_per_s": tokens * steps / window,
         "tflops": flops / step_time / 1e12,
         "mfu": flops / step_time / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
-        "recompile_reasons": [
-            f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
-            for m in get_compilation_metrics()
-            if is_recompile(m)
-        ],
+        "recompile_reasons": recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
         "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
     }
@@ -528,29 +515,17 @@ def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
-    """One variant in a fresh process with empty compile caches."""
-    with tempfile.TemporaryDirectory() as cache:
-        env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-        out = Path(cache) / "result.json"
-        command = [sys.executable, __file__, "--worker", variant, "--worker-out", str(out), *args.passthrough]
-        started = time.perf_counter()
-        try:
-            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.variant_timeout)
-        except subprocess.TimeoutExpired as timeout:
-            tail = (timeout.stderr or b"").decode(errors="replace").strip().splitlines()[-3:]
-            return {"error": f"timed out after {args.variant_timeout} s | " + " | ".join(tail)[-300:]}
-        if proc.returncode != 0 or not out.exists():
-            args.out.with_name(f"{args.out.stem}.{variant}.log").write_text(proc.stdout + proc.stderr)
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return {"error": f"exit code {proc.returncode} | " + " | ".join(tail)[-300:]}
-        result = json.loads(out.read_text())
-        result["process_s"] = time.perf_counter() - started
-        return result
+    """One variant in a fresh process with empty compile caches (``--repeats`` times: medians and spread)."""
+    log = args.out.with_name(f"{args.out.stem}.{variant}.log")
+    runs = [
+        run_fresh(__file__, ["--worker", variant, *args.passthrough], args.variant_timeout, log=log)
+        for _ in range(getattr(args, "repeats", 1))
+    ]
+    return repeated(runs, TIMED)
 
 
 def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     eager = results.get("eager", {})
-    whole = results.get("torch_compile", {})
     rows = []
     for run, result in results.items():
         variant = run.split("#")[0]
@@ -564,16 +539,17 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
         row["syncs_in_timed_steps"] = result.get("syncs")
         row["host_profile"] = result.get("host_profile")
         row["compile_breakdown"] = result.get("compile_time_breakdown_s")
-        if "tokens_per_s" in eager:
-            row["speedup_vs_eager"] = result["tokens_per_s"] / eager["tokens_per_s"]
+        if "losses" in eager:
             row["loss_rel_diff_vs_eager"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], eager["losses"]))
-        if "tokens_per_s" in whole:
-            row["throughput_vs_torch_compile"] = result["tokens_per_s"] / whole["tokens_per_s"]
-            row["first_step_vs_torch_compile"] = result["first_step_s"] / whole["first_step_s"]
         rows.append(row)
+    add_ratio(rows, "speedup_vs_eager", "tokens_per_s", lambda row: row["variant"] == "eager")
+    for column, name in (("tokens_per_s", "throughput"), ("first_step_s", "first_step")):
+        add_ratio(rows, f"{name}_vs_torch_compile", column, lambda row: row["variant"] == "torch_compile")
     return rows
 
 
+# Timings that --repeats reports as medians with their spread.
+TIMED = ("first_step_s", "step_ms", "host_ms", "slowest_step_ms", "tokens_per_s", "tflops", "mfu", "compiled_after_s")
 COLUMNS = [
     "variant",
     "loop",
@@ -608,6 +584,7 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (medians and spread)")
     parser.add_argument(
         "--max-eager-steps", type=int, default=5000, help="with a background compile: most steps before it is in use"
     )
@@ -641,12 +618,9 @@ def main() -> None:
         args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
         args.host_steps = min(args.host_steps, 2)
     if args.worker:
-        faulthandler.enable(all_threads=True)  # a crash or a hang shows every thread's Python stack
-        faulthandler.dump_traceback_later(args.variant_timeout - 10, exit=True)
         if args.switch_interval:
             sys.setswitchinterval(args.switch_interval)
-        args.worker_out.write_text(json.dumps(run_worker(args.worker, args)))
-        return
+        return worker(args.worker_out, lambda: run_worker(args.worker, args), args.variant_timeout)
     args.passthrough = (
         [
             f"--steps={args.steps}",
@@ -681,11 +655,12 @@ def main() -> None:
         notes = [
             f"batch {args.batch_size} x {(SMOKE if args.smoke else GPT2_SMALL).block_size} tokens, "
             f"{args.steps} timed steps after {args.warmup}; backend {args.backend}; fresh compile caches per variant"
+            + (f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else "")
         ]
         write_result(
             args.out, "train_step", "Training step: eager, torch.compile, peers and policies", COLUMNS, rows, notes
         )
-    print(format_table(COLUMNS, rows))
+    print_table(COLUMNS, rows, baseline="eager (speedup), torch_compile (throughput_vs_*, first_step_vs_*)")
 
 
 if __name__ == "__main__":
