@@ -36,6 +36,12 @@ CASES = {
     "hf_resnet": (CLASSIFIER, None, 4),  # four stages of four widths: four structures
     "staged_resnet": ({}, None, 8),  # layer1's two blocks are alike; each later stage opens with a downsampling one
 }
+# Checked on torch 2.13 and 2.14.1 (CI), and on 2.9.1 (.ci/torch_versions.sh), where two things differ: Dynamo
+# specializes BEiT's per-block drop_prob even when primed as a graph input (the trial trace sees it: one entry per
+# value, too little reuse, the model compiled whole), and it cannot trace copy.deepcopy in transformers' T5
+# (get_text_config: a graph break in the compiled model). Versions between them may behave either way.
+CHECKED_LIKE_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+SPECIALIZED_FLOATS_NOTE = "which the compiler specializes (a trial trace of one block"
 # Entries per distinct structure, when regional_min_reuse: 0 keeps the blocks regional whatever their reuse.
 ENTRIES_WHEN_REGIONAL = {"t5": 4, "hf_resnet": 4, "staged_resnet": 7}
 # What is compiled around the blocks (rest: auto): outer where enough weights lie outside them.
@@ -64,8 +70,14 @@ def assert_trains_like_eager(case, config, callback):
     for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
     summary = callback.summary()
-    assert summary["recompiles"] == 0 and summary["recompile_limit_hits"] == 0, callback.telemetry.compile.events
-    assert summary["graph_breaks"] == 0, "only the breaks the policy declares (around the block stack)"
+    whole = [item.region.role for item in callback.applied.compiled] == ["full"]
+    if case == "t5" and whole and not CHECKED_LIKE_2_13:
+        # the break, and the eager fallbacks and recompiles of transformers' code after it, are reported as such
+        breaks = [e for e in callback.telemetry.compile.events if e.kind == "graph_break"]
+        assert any("copy.deepcopy" in e.reason for e in breaks), callback.telemetry.compile.events
+    else:
+        assert summary["recompiles"] == 0 and summary["recompile_limit_hits"] == 0, callback.telemetry.compile.events
+        assert summary["graph_breaks"] == 0, "only the breaks the policy declares (around the block stack)"
     assert set(compiled.state_dict()) == set(eager.state_dict()), "compiled in place: no _orig_mod. keys"
 
 
@@ -89,6 +101,9 @@ def test_regional_trains_like_eager_without_recompiles_on_real_models(case):
     callback = regional()
     assert_trains_like_eager(case, config, callback)
     roles = [item.region.role for item in callback.applied.compiled]
+    if case == "beit" and not CHECKED_LIKE_2_13 and roles == ["full"]:
+        assert any(SPECIALIZED_FLOATS_NOTE in note for note in callback.applied.notes), callback.applied.notes
+        return
     if block_entries is None:  # blocks share too little: the model is compiled whole, and the plan says why
         assert roles == ["full"], roles
         assert any(f"{blocks} blocks in" in note and "compiled whole" in note for note in callback.applied.notes)
@@ -174,6 +189,9 @@ def test_the_plan_says_at_which_depth_the_blocks_are_and_what_they_share(case):
     applied = apply_policy(module, to_policy("regional", backend="aot_eager"))
     table = format_plan_table(applied)
     spaced = "\n".join(" ".join(line.split()) for line in table.splitlines())  # columns with single spaces
+    if case == "beit" and not CHECKED_LIKE_2_13 and SPECIALIZED_FLOATS_NOTE in spaced:
+        assert "6 blocks in 6 distinct structures" in spaced and "compiled whole" in spaced, table
+        return
     for line in PLANS[case]:
         assert line in spaced, f"{line!r} not in\n{table}"
 
