@@ -30,7 +30,6 @@ Without Lightning::
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 import time
 from dataclasses import dataclass
@@ -64,7 +63,9 @@ def shadow_module(module: nn.Module, aliases: Optional[Dict[int, nn.Parameter]] 
     for parameter in module._parameters.values():
         if parameter is not None and id(parameter) not in aliases:
             aliases[id(parameter)] = nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
-    shadow = copy.copy(module)
+    # not copy.copy: it calls the class's __new__, and FSDP2's module classes construct the original class anew there
+    shadow = object.__new__(type(module))
+    shadow.__dict__.update(module.__dict__)
     shadow.__dict__["_parameters"] = {k: None if p is None else aliases[id(p)] for k, p in module._parameters.items()}
     shadow.__dict__["_buffers"] = {k: None if b is None else b.detach().clone() for k, b in module._buffers.items()}
     shadow.__dict__["_modules"] = {

@@ -42,9 +42,11 @@ class ShapeHooks:
         trainer: pl.Trainer,
         shapes: ShapesPolicy,
         phase: Callable[[str], ContextManager[None]] = lambda name: contextlib.nullcontext(),
+        warm_up_buckets: bool = True,
     ):
         self.trainer, self.shapes = trainer, shapes
         self.phase = phase  # names what compiles during warm-up (telemetry: not recompiles)
+        self.warm_up_buckets = warm_up_buckets  # False: shapes.warmup only arms strict_recompiles (FSDP2)
         self.shaper = BatchShaper(shapes)
         self.regions: Optional[RegionShapeInterceptors] = None  # at the first batch, after the policy is applied
         self.warmup: Optional[BucketWarmup] = None  # with shapes.warmup, from the first batch on
@@ -91,21 +93,22 @@ class ShapeHooks:
         if self.regions is None:
             applied = self._applied_policy()
             self.regions = RegionShapeInterceptors(applied, self.shaper)
-            if self.shapes.warmup:
+            if self.shapes.warmup and self.warm_up_buckets:
                 self.warmup = BucketWarmup(applied, lambda: self.shaper.buckets or [], self.shapes.pad.dim)
-        if self.warmup is not None:
+        if self.shapes.warmup:
             self._warm_up()
         shaped = self.shaper(batch)
-        if self.warmup is not None:
-            sample = self.shaper.length_of(shaped)
-            self.warmup.length, self.warmup.batch_size = sample.length, sample.rows
+        if self.shapes.warmup:
+            if self.warmup is not None:
+                sample = self.shaper.length_of(shaped)
+                self.warmup.length, self.warmup.batch_size = sample.length, sample.rows
             self._mode = step_mode(self.trainer.lightning_module)
         return shaped
 
     def _warm_up(self) -> None:
         """Compile the calls of the last batch that compiled, at every other bucket; then, with
         ``strict_recompiles``, a recompile in that batch's mode is an error."""
-        if self.warmup.pending:
+        if self.warmup is not None and self.warmup.pending:
             started = time.perf_counter()
             with self.phase(f"{WARMUP_PHASE} (buckets)"):
                 graphs = self.warmup.replay()

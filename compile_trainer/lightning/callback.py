@@ -24,9 +24,11 @@ from compile_trainer.lightning.batch_hooks import ShapeHooks
 from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
 from compile_trainer.lightning.strategies import (
     BACKGROUND_IN_FOREGROUND_UNDER_FSDP2,
+    BUCKET_WARMUP_OFF_UNDER_FSDP2,
     FSDP2_RECIPE,
     compiles_in_background,
     strategy_kind,
+    warms_up_buckets,
     where_compiled,
 )
 from compile_trainer.optimizer import (
@@ -182,11 +184,13 @@ class CompileCallback(pl.Callback):
             check_distributed_runtime(self.policy)
         if stage == "fit" and self.policy.shapes.active:
             phase = {"phase": self.telemetry.phase} if self.telemetry is not None else {}
-            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, **phase)
+            warm_up = warms_up_buckets(self.strategy)
+            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, warm_up_buckets=warm_up, **phase)
             if self.telemetry is not None and self.policy.shapes.pad.enabled:
                 self.telemetry.summary_sources["padding"] = self.shape_hooks.shaper.padding_summary
             if self.print_plan:
-                rank_zero_info(describe_shapes(self.policy.shapes))
+                off = [BUCKET_WARMUP_OFF_UNDER_FSDP2] if self.policy.shapes.warmup and not warm_up else []
+                rank_zero_info("\n".join([describe_shapes(self.policy.shapes), *off]))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_shape_hooks()

@@ -10,7 +10,8 @@
   order: activation checkpointing, compile each block, ``fully_shard`` each block, then the root), which
   happens in the user's ``configure_model``, a hook a callback cannot reach into: call
   ``compile_trainer.apply_policy(self, policy)`` there before sharding; the callback adopts that policy. A
-  background policy compiles in the foreground there (``BACKGROUND_IN_FOREGROUND_UNDER_FSDP2``).
+  background policy compiles in the foreground there (``BACKGROUND_IN_FOREGROUND_UNDER_FSDP2``), and bucket
+  warm-up is off (``BUCKET_WARMUP_OFF_UNDER_FSDP2``).
 - anything else (``FSDPStrategy``, DeepSpeed, XLA...) is refused before training, naming those that work.
 """
 
@@ -58,6 +59,19 @@ BACKGROUND_IN_FOREGROUND_UNDER_FSDP2 = (
     "re-runs __init__ in __new__; seen, torch 2.13) nor run its forward hooks off the training thread (the "
     "all-gather and reshard of its parameters, collectives every rank runs in step)"
 )
+
+
+BUCKET_WARMUP_OFF_UNDER_FSDP2 = (
+    "shapes.warmup: off under FSDP2, each bucket compiles at its first batch: warm-up traces a copy of each region "
+    "that compiled, and an FSDP2 block can neither be copied nor traced with its parameters as its calls see them "
+    "(sharded outside its forward, gathered inside)"
+)
+
+
+def warms_up_buckets(kind: str) -> bool:
+    """Whether ``shapes.warmup`` compiles the buckets ahead under strategy ``kind``: not under FSDP2
+    (``BUCKET_WARMUP_OFF_UNDER_FSDP2``)."""
+    return kind != "fsdp2"
 
 
 def compiles_in_background(kind: str) -> bool:
