@@ -60,8 +60,9 @@ from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import to_policy  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
+from compile_trainer.shapes.bucket_warmup import BucketWarmup  # noqa: E402
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
-from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
+from compile_trainer.telemetry.compile_events import WARMUP_PHASE, CompileTelemetry  # noqa: E402
 
 VARIANTS = ["plain", "dynamic", "dynamic_full", "buckets", "buckets_auto", "fixed_length"]
 FIXED_BUCKETS = [128, 256, 512, 1024]
@@ -171,25 +172,28 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     warmup_s = 0.0
     if shaper is not None and policy.shapes.pad.auto is not None:
         shaper.choose_buckets([shaper.length_of(b) for b in batches[: policy.shapes.pad.auto.sample_batches]])
+    # What CompileCallback's warm-up does: the region calls that compiled in a step are compiled at every other
+    # bucket (traced, not run) before the next step
+    warmup = None
     if shaper is not None and policy.shapes.warmup:
-        # What CompileCallback's warm-up does: a forward and backward per bucket, before the first step (here
-        # without the optimizer step, so that the weights stay as they were).
-        for warm in shaper.warmup_batches({k: v.to(device) for k, v in batches[0].items()}):
-            begin_step()
-            with autocast:
-                forward(**warm).loss.backward()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        warmup_s = time.perf_counter() - started
-    warmed = compiles() if shaper is not None and policy.shapes.warmup else None
+        warmup = BucketWarmup(applied, lambda: shaper.buckets or [], policy.shapes.pad.dim)
     steady_tokens, steady_s, real, positions = 0, 0.0, 0, 0
     step_ms, occurrences = [], collections.Counter()  # (length the model saw, first time it saw it, ms) per step
     cuda_graphs = policy is not None and "reduce-overhead" in (policy.mode, *(rule.mode for rule in policy.rules))
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         real += int(batch["attention_mask"].sum())
+        if warmup is not None and warmup.pending:
+            warm_started, telemetry.phase = time.perf_counter(), WARMUP_PHASE  # its compiles are not recompiles
+            warmup.replay()
+            synchronize(device)
+            warmup_s += time.perf_counter() - warm_started
+            telemetry.phase = "train"
         if shaper is not None:
             batch = shaper(batch)
+            if warmup is not None:
+                sample = shaper.length_of(batch)
+                warmup.length, warmup.batch_size = sample.length, sample.rows
         positions += batch["input_ids"].numel()
         before, step_started = compiles(), time.perf_counter()
         train_step(batch)
@@ -231,8 +235,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         "steady_compiles": compiles() - before,  # 0: nothing compiled in the steady pass
         "synced_steady_real_tokens_per_s": steady_tokens / steady_s if steady_s else None,
         "graphs": compat.unique_graphs(),
-        # after a warm-up every compile is one too many; else a frame's compiles after its first
-        "recompiles_after_warmup": compiles() - warmed if warmed is not None else telemetry.totals()["recompiles"],
+        # a frame's compiles after its first, bucket warm-up's aside
+        "recompiles_after_warmup": telemetry.totals()["recompiles"],
         "dynamo_metrics_recorded": len(metrics),
         "padding": positions / real - 1,
         "buckets": shaper.buckets if shaper is not None else None,
@@ -342,8 +346,8 @@ def main() -> None:
         "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
         "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
         "nothing (a sync after each); padding: "
-        "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: compiles "
-        "after warm-up (plain: after its first); vs_plain_total_at_most: total_s / the seconds plain ran before "
+        "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: a frame's "
+        "compiles after its first, bucket warm-up's aside; vs_plain_total_at_most: total_s / the seconds plain ran before "
         "its timeout stopped it",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
         f"environment: {json.dumps(environment())}",

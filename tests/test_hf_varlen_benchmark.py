@@ -18,7 +18,10 @@ def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == variants and not any("error" in row for row in rows.values()), rows
     auto = rows["buckets_auto"]
-    assert len(auto["buckets"]) == 4 and auto["buckets"][-1] <= 64 and auto["recompiles_after_warmup"] == 0
+    assert len(auto["buckets"]) == 4 and auto["buckets"][-1] <= 64
+    # the first batch exactly as long as its bucket: HF drops the all-ones mask, and the blocks' path without a mask
+    # compiles once (warm-up then compiles it at the other buckets)
+    assert auto["recompiles_after_warmup"] == 1, auto["recompile_reasons"]
     assert rows["fixed_length"]["padding"] == 0 and rows["fixed_length"]["vs_fixed_length"] == 1
     assert rows["dynamic"]["buckets"] is None and rows["dynamic"]["steady_real_tokens_per_s"] > 0
     full = rows["dynamic_full"]  # one graph, lengths padded to multiples of 64 (the smoke stream's longest is 64)

@@ -93,7 +93,7 @@ class ShapeHooks:
         if self.regions is None:
             applied = self._applied_policy()
             self.regions = RegionShapeInterceptors(applied, self.shaper)
-            if self.shapes.warmup and self.warm_up_buckets:
+            if self.shapes.warmup and self.warm_up_buckets and self.shapes.pad.enabled:
                 self.warmup = BucketWarmup(applied, lambda: self.shaper.buckets or [], self.shapes.pad.dim)
         if self.shapes.warmup:
             self._warm_up()
