@@ -347,8 +347,8 @@ def main() -> None:
         "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
         "nothing (a sync after each); padding: "
         "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: a frame's "
-        "compiles after its first, bucket warm-up's aside; vs_plain_total_at_most: total_s / the seconds plain ran before "
-        "its timeout stopped it",
+        "compiles after its first, bucket warm-up's aside; vs_plain_total_at_most: total_s / the seconds plain ran "
+        "before its timeout stopped it",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
         f"environment: {json.dumps(environment())}",
     ]
