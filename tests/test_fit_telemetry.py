@@ -2,11 +2,13 @@
 
 import csv
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -290,3 +292,22 @@ def test_without_compiles_the_counted_step_is_a_warm_up_step(tmp_path):
     )
     assert summary["warmup_steps_time_s"] > 0 and summary["compiles"] == 0
     assert summary["flops_per_step"] == step_flops() > 0
+
+
+def test_items_fn_on_the_command_line_beside_a_recipes_tokens_per_sample_says_how_to_clear_it():
+    """The recipe sets telemetry.items_per_sample from its tokens_per_sample: the composed config names both values
+    and the override that clears one; with it, the config is valid."""
+    from hydra import compose, initialize_config_dir
+
+    from compile_trainer.runs.hydra_configs import register_configs
+
+    register_configs()  # the structured schemas train.py registers
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    items_fn = "telemetry.items_fn=tests.telemetry_models:items_in_batch"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        both = compose("config", overrides=["recipe=gpt_tiny", items_fn])
+        cleared = compose("config", overrides=["recipe=gpt_tiny", items_fn, "telemetry.items_per_sample=null"])
+    with pytest.raises(SettingsError, match=r"not both .*items_per_sample 128.*add telemetry.items_per_sample=null"):
+        to_telemetry_config(OmegaConf.to_container(both.telemetry, resolve=True))
+    valid = to_telemetry_config(OmegaConf.to_container(cleared.telemetry, resolve=True))
+    assert valid.items_fn == "tests.telemetry_models:items_in_batch" and valid.items_per_sample is None

@@ -39,5 +39,9 @@ def telemetry_config_problems(config: TelemetryConfig) -> List[str]:
         if value is not None and not value > 0:
             problems.append(f"telemetry.{name} must be positive, got {value!r}")
     if config.items_fn is not None and config.items_per_sample is not None:
-        problems.append("give telemetry.items_fn or telemetry.items_per_sample, not both")
+        problems.append(
+            f"give telemetry.items_fn or telemetry.items_per_sample, not both (items_fn {config.items_fn!r}, "
+            f"items_per_sample {config.items_per_sample!r}: a recipe sets items_per_sample from its tokens_per_sample; "
+            "with items_fn on the command line, add telemetry.items_per_sample=null)"
+        )
     return problems
