@@ -125,14 +125,17 @@ class RecordedCall:
             stack.callback(torch.set_autocast_cache_enabled, cache)
             yield
 
-    def replay(self, item: CompiledRegion) -> None:
-        """Compile ``item`` by calling its entry on the shadow, up to where its first graph would run.
+    def replay(
+        self, item: CompiledRegion, args: Optional[Tuple[Any, ...]] = None, kwargs: Optional[Dict[str, Any]] = None
+    ) -> None:
+        """Compile ``item`` by calling its entry on the shadow, up to where its first graph would run; with the
+        recorded inputs, or ``args``/``kwargs`` in their place (bucket warm-up: resized to another length).
 
         A region with graph breaks gets its first graph compiled here, the rest at their first real call.
         """
         compiled = item.compile_on(self.module)
         with self.context(), compile_only(), contextlib.suppress(CompiledNotRun):
-            compiled(*self.args, **self.kwargs)
+            compiled(*(self.args if args is None else args), **(self.kwargs if kwargs is None else kwargs))
 
 
 class BackgroundCompile:

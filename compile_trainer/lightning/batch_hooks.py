@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, List, Optional, Set, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -50,7 +50,6 @@ class ShapeHooks:
         self.shaper = BatchShaper(shapes)
         self.regions: Optional[RegionShapeInterceptors] = None  # at the first batch, after the policy is applied
         self.warmup: Optional[BucketWarmup] = None  # with shapes.warmup, from the first batch on
-        self.armed: Set[Tuple[bool, bool]] = set()  # modes warmed up (strict recompiles from then on)
         self._mode: Optional[Tuple[bool, bool]] = None  # the mode of the batch in use
         self._strategy = trainer.strategy
         self._original = self._strategy.batch_to_device
@@ -114,10 +113,8 @@ class ShapeHooks:
                 graphs = self.warmup.replay()
             seconds = time.perf_counter() - started
             log.info("compile warm-up: %d graphs compiled at other buckets in %.1f s", graphs, seconds)
-        if self._mode is not None and self._mode not in self.armed:
-            self.armed.add(self._mode)
-            if self.shapes.strict_recompiles:
-                self.regions.arm(self._mode)
+        if self._mode is not None and self.shapes.strict_recompiles:
+            self.regions.arm(self._mode)  # idempotent: arming a mode again changes nothing
 
     def _applied_policy(self) -> AppliedPolicy:
         applied = getattr(self.trainer.lightning_module, APPLIED_ATTR, None)

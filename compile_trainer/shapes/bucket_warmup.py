@@ -26,7 +26,6 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from compile_trainer import compat
-from compile_trainer.compiling.backends import CompiledNotRun, compile_only
 from compile_trainer.compiling.background import RecordedCall
 from compile_trainer.compiling.region_call import BUCKET_WARMUP
 from compile_trainer.compiling.regions import AppliedPolicy, CompiledRegion
@@ -92,8 +91,6 @@ class BucketWarmup:
         self.length: Optional[int] = None  # the padded length of the batch in use
         self.batch_size: Optional[int] = None
         self.pending: List[Tuple[CompiledRegion, RecordedCall, int, int]] = []  # (item, call, length, batch size)
-        self.compiled = 0  # graphs compiled by replays
-        self.failed: List[str] = []
         applied.interceptors.add(self)
 
     def __call__(self, item: CompiledRegion, proceed: Callable[..., Any], args: Tuple, kwargs: Dict[str, Any]) -> Any:
@@ -117,7 +114,6 @@ class BucketWarmup:
                 for bucket in self.buckets():
                     if bucket != length:
                         count += self._replay_at(item, call, length, batch_size, bucket)
-        self.compiled += count
         return count
 
     def _replay_at(self, item: CompiledRegion, call: RecordedCall, length: int, batch_size: int, bucket: int) -> int:
@@ -127,14 +123,11 @@ class BucketWarmup:
 
         args = tree_map_only(torch.Tensor, at_bucket, call.args)
         kwargs = tree_map_only(torch.Tensor, at_bucket, call.kwargs)
-        compiled = item.compile_on(call.module)
         before = compat.unique_graphs()
         try:
-            with call.context(), compile_only(), contextlib.suppress(CompiledNotRun):
-                compiled(*args, **kwargs)
+            call.replay(item, args, kwargs)
         except Exception as error:  # noqa: BLE001 - the bucket then compiles at its first batch, as without warm-up
             cause = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-            self.failed.append(f"{item.region.name} at length {bucket}: {cause}")
             log.warning(
                 "compile warm-up of %s at length %d failed (%s); it compiles at its first batch of that length",
                 item.region.name,
