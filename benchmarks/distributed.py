@@ -31,7 +31,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from benchmarks.common import print_table, quiet_trainer, run_fresh, write_result  # noqa: E402
 
 COLUMNS = [
-    "model", "experiment", "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "first_step_s_by_rank",
+    "model", "experiment", "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "samples_per_s_mean",
+    "step_ms_median_by_rank", "first_step_s_by_rank",
     "first_step_vs_1", "recompiles_by_rank", "divergent_ranks", "graphs_by_rank", "peak_memory_gb_by_rank",
     "cache", "error",
 ]  # fmt: skip
@@ -136,6 +137,9 @@ def worker(args: argparse.Namespace) -> None:
         overrides["cache"] = {"dir": args.cache_dir}
     telemetry = {"measure_flops": False}
     callback = CompileCallback(args.policy, print_plan=False, telemetry=telemetry, **overrides)
+    callbacks: List[Any] = [callback]
+    if args.profile_dir:
+        callbacks.append(profiled_steps(args, first=args.steps - 6, steps=3))
     torch.manual_seed(0)
     module = lightning_module(args, callback)
     strategy: Any = "auto"
@@ -143,12 +147,13 @@ def worker(args: argparse.Namespace) -> None:
         strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
     trainer = quiet_trainer(
         torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy, max_steps=args.steps,
-        callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
+        callbacks=callbacks, precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(module)
     summary = callback.summary()
+    medians = gather_floats(summary.get("steady_step_time_median_s"))
     if trainer.global_rank == 0:
-        args.worker_out.write_text(json.dumps(result_row(args, summary)))
+        args.worker_out.write_text(json.dumps(result_row(args, summary, medians)))
     if torch.distributed.is_initialized():
         # Every rank leaves the group before exiting: left to interpreter teardown, gloo's threads have aborted
         # a rank ("terminate called without an active exception", once in a CI rehearsal).
@@ -156,8 +161,53 @@ def worker(args: argparse.Namespace) -> None:
         torch.distributed.destroy_process_group()
 
 
-def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, Any]:
-    """Rank 0's row: throughput over all ranks, and each rank's first step, recompiles, graphs and peak memory."""
+def gather_floats(value: Optional[float]) -> List[Optional[float]]:
+    """``value`` of every rank, by rank (a collective; ``[value]`` on one process)."""
+    if not torch.distributed.is_initialized():
+        return [value]
+    gathered: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
+    """A Lightning callback profiling ``steps`` training steps from step ``first`` on every rank (torch.profiler):
+    each rank writes its tables of ops by device and host time, rank 0 also a Chrome trace, to ``args.profile_dir``."""
+    import lightning.pytorch as pl
+
+    class ProfiledSteps(pl.Callback):
+        profiler: Any = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+            if batch_idx == first:
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+            if batch_idx != first + steps - 1 or self.profiler is None:
+                return
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            folder = Path(args.profile_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            where = args.strategy if args.gpus > 1 else "single"
+            name = f"{args.model}-{where}-{args.policy}-rank{trainer.global_rank}"
+            averages = self.profiler.key_averages()
+            tables = [averages.table(sort_by=key, row_limit=30) for key in ("self_cuda_time_total", "cpu_time_total")]
+            (folder / f"{name}.txt").write_text("\n".join(tables))
+            if trainer.global_rank == 0:
+                self.profiler.export_chrome_trace(str(folder / f"{name}.trace.json"))
+            self.profiler = None
+
+    return ProfiledSteps()
+
+
+def result_row(args: argparse.Namespace, summary: Dict[str, Any], medians: List[Optional[float]]) -> Dict[str, Any]:
+    """Rank 0's row: throughput over all ranks (from the slowest rank's median steady step, and from the mean),
+    and each rank's median step, first step, recompiles, graphs and peak memory."""
     ranks = summary.get("ranks") or {
         key: [summary.get(single)]
         for key, single in (
@@ -179,7 +229,10 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
         "strategy": args.strategy if args.gpus > 1 else "-",
         "policy": args.policy,
         "gpus": args.gpus,
-        "samples_per_s": per_rank * args.gpus if per_rank else None,  # every rank steps together
+        # every rank steps together: the slowest rank's median step sets the pace
+        "samples_per_s": args.batch * args.gpus / max(medians) if None not in medians else None,
+        "samples_per_s_mean": per_rank * args.gpus if per_rank else None,
+        "step_ms_median_by_rank": [round(m * 1e3, 2) if m else None for m in medians],
         "first_step_s_by_rank": ranks.get("first_step_time_s_by_rank"),
         "recompiles_by_rank": ranks.get("recompiles_by_rank"),
         "divergent_ranks": ranks.get("divergent_recompile_ranks"),
@@ -197,6 +250,7 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     run = {"experiment": "scaling", "collectives": False, "cache_dir": None} | run
     name = "-".join(str(v) for v in run.values() if v not in (None, False)).replace("/", "_")
     command = ["--worker", "--batch", str(args.batch), "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
+    command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
     for key, value in run.items():
         if value not in (None, False):
             command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
@@ -262,6 +316,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-dir", help="profile 3 steps near the end of each run (torch.profiler) into it")
     for hidden in ("model", "experiment", "strategy", "policy", "cache-dir"):
         parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
     parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
@@ -285,7 +340,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     compare_to_one(rows)
     notes = [
-        "Weak scaling: each rank trains the same batch a step; samples/s counts every rank's samples.",
+        "Weak scaling: each rank trains the same batch a step; samples/s counts every rank's samples, from the "
+        "slowest rank's median steady step (samples_per_s_mean: from rank 0's mean, the telemetry summary's).",
         "first_step_vs_1: the slowest rank's first step (compiles included) against one device's; for the cache "
         "row, against the cold DDP regional row that wrote the bundle.",
         "Every run starts with empty Inductor and Triton caches; the ranks of one run share them (one host).",

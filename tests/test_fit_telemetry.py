@@ -311,3 +311,33 @@ def test_items_fn_on_the_command_line_beside_a_recipes_tokens_per_sample_says_ho
         to_telemetry_config(OmegaConf.to_container(both.telemetry, resolve=True))
     valid = to_telemetry_config(OmegaConf.to_container(cleared.telemetry, resolve=True))
     assert valid.items_fn == "tests.telemetry_models:items_in_batch" and valid.items_per_sample is None
+
+
+def test_the_median_steady_step_is_the_middle_steady_step_and_leaves_the_outlier_to_the_mean():
+    from compile_trainer.telemetry import throughput
+
+    class GivenTimes:
+        """The meter's clock, reporting the step times given (this checks the arithmetic, not a clock)."""
+
+        def __init__(self, seconds):
+            self.seconds, self.done = list(seconds), []
+
+        def start(self):
+            pass
+
+        def stop(self, tag):
+            self.done.append((self.seconds.pop(0), tag))
+
+        def completed(self, wait):
+            done, self.done = self.done, []
+            return done
+
+    meter = throughput.ThroughputMeter(torch.device("cpu"))
+    meter._clock = GivenTimes([9.0, 0.010, 0.030, 0.5, 0.020, 0.012])
+    kinds = [throughput.COMPILE] + [throughput.STEADY] * 5
+    for kind in kinds:
+        meter.step_start(torch.zeros(BATCH, 3))
+        meter.step_end(kind)
+    summary = meter.summary()
+    assert summary["steady_step_time_median_s"] == pytest.approx(0.020), "the compile step is not a steady step"
+    assert summary["steady_step_time_s"] == pytest.approx((0.010 + 0.030 + 0.5 + 0.020 + 0.012) / 5)

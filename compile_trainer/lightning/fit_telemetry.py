@@ -278,7 +278,8 @@ class FitTelemetry:
             + f", {show('compile_steps_time_s', unit=' s')} in them; "
             + (f"{summary['warmup_steps']} warm-up (FLOPs counted); " if summary["warmup_steps"] else "")
             + f"first step {show('first_step_time_s', unit=' s')})",
-            f"  steady step {show('steady_step_time_s', 1e-3, ' ms')}, {show('steady_steps_per_s')} steps/s, "
+            f"  steady step {show('steady_step_time_s', 1e-3, ' ms')} "
+            f"(median {show('steady_step_time_median_s', 1e-3, ' ms')}), {show('steady_steps_per_s')} steps/s, "
             f"{show('steady_samples_per_s', digits=1)} samples/s, {show('steady_tokens_per_s', digits=0)} tokens/s"
             + (f" ({show('steady_padded_tokens_per_s', digits=0)} with padding)" if padded is not None else "")
             + (f", {show('steady_items_per_s', digits=0)} items/s" if items not in (None, tokens) else ""),

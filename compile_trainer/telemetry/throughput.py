@@ -15,6 +15,7 @@ sum) is copied to the host without waiting and read once the step is done.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from collections import deque
@@ -29,6 +30,7 @@ from compile_trainer.schema.shapes import ROLE_NAMES
 BatchCounter = Callable[[Any], int]
 Count = Union[int, torch.Tensor]  # a tensor: on the host, filled once the step is done
 COMPILE, WARMUP, STEADY = "compile", "warm-up", "steady"  # kinds of steps
+STEADY_WINDOW = 10_000  # steady steps kept for the median step time
 
 
 def default_samples(batch: Any) -> int:
@@ -187,6 +189,9 @@ class ThroughputMeter:
         self.totals: Dict[str, _Totals] = {kind: _Totals() for kind in (COMPILE, WARMUP, STEADY)}
         self.cudagraph_recording_steps = 0
         self.first_step_time_s: Optional[float] = None
+        # The last STEADY_WINDOW steady steps' times, for the median: a mean over a run carries its outliers
+        # (an allocator growth, a collective's first call, a GC pause) into every steady figure.
+        self._steady_times: Deque[float] = deque(maxlen=STEADY_WINDOW)
         self.counts_tokens = tokens_fn is not None
         self.counts_padded_tokens = False
         self._interval: Dict[str, _Totals] = {kind: _Totals() for kind in self.totals}
@@ -234,6 +239,8 @@ class ThroughputMeter:
             counts = (step.samples, _read(step.tokens), step.padded_tokens, _read(step.items))
             for totals in (self.totals[step.kind], self._interval[step.kind]):
                 totals.add(seconds, *counts)
+            if step.kind == STEADY:
+                self._steady_times.append(seconds)
 
     @property
     def counts_items(self) -> bool:
@@ -295,6 +302,7 @@ class ThroughputMeter:
             "first_step_time_s": self.first_step_time_s,
             "steady_steps": self.steady.steps,
             "steady_step_time_s": steady["step_time_s"],
+            "steady_step_time_median_s": statistics.median(self._steady_times) if self._steady_times else None,
             "steady_steps_per_s": steady["steps_per_s"],
             "steady_samples_per_s": steady["samples_per_s"],
             "steady_tokens_per_s": steady["tokens_per_s"],
