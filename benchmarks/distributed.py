@@ -41,8 +41,8 @@ import torch  # noqa: E402
 from benchmarks.common import print_table, quiet_trainer, run_fresh, write_result  # noqa: E402
 
 COLUMNS = [
-    "model", "experiment", "strategy", "policy", "gpus", "samples_per_s", "scaling_vs_1", "samples_per_s_mean",
-    "step_ms_median_by_rank", "first_step_s_by_rank",
+    "model", "experiment", "strategy", "policy", "options", "gpus", "samples_per_s", "scaling_vs_1",
+    "samples_per_s_mean", "step_ms_median_by_rank", "first_step_s_by_rank",
     "first_step_vs_1", "recompiles_by_rank", "divergent_ranks", "graphs_by_rank", "peak_memory_gb_by_rank",
     "cache", "error",
 ]  # fmt: skip
@@ -56,6 +56,23 @@ SMOKE = {
 }  # fmt: skip
 SEQUENCE = {"gpt2": 1024, "llama": 1024}
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
+# The ddp-options experiment's variants: the strategy's and optimizer's settings a user of DDP can choose, each
+# a comma-separated list of these names.
+OPTIONS = {
+    "bucket_view": "DDPStrategy(gradient_as_bucket_view=True): gradients are views of the all-reduce buckets",
+    "static_graph": "DDPStrategy(static_graph=True)",
+    "bf16_grads": "DDPStrategy(ddp_comm_hook=bf16_compress_hook): gradients all-reduced in bf16",
+    "no_ddp_optimizer": "torch._dynamo.config.optimize_ddp = False: no graph split at bucket boundaries",
+    "fused": "AdamW(fused=True)",
+}
+OPTION_RUNS = [  # (strategy, policy, options, gpus)
+    ("ddp", "regional", "", 1), ("ddp", "regional", "", 2), ("ddp", "regional", "no_ddp_optimizer", 2),
+    ("ddp", "regional", "no_ddp_optimizer,bucket_view", 2),
+    ("ddp", "regional", "no_ddp_optimizer,bucket_view,static_graph", 2),
+    ("ddp", "regional", "no_ddp_optimizer,bucket_view,bf16_grads", 2),
+    ("ddp", "full", "", 1), ("ddp", "full", "", 2), ("ddp", "full", "no_ddp_optimizer", 2),
+    ("ddp", "regional", "fused", 1), ("fsdp2", "regional", "fused", 2),
+]  # fmt: skip
 
 
 def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
@@ -87,7 +104,7 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
             return self.model(input_ids=inputs, labels=targets).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused="fused" in options(args) or None)
 
         def configure_model(self) -> None:
             if args.strategy != "fsdp2" or args.gpus < 2:
@@ -105,9 +122,37 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
         def train_dataloader(self):
             from torch.utils.data import DataLoader
 
-            return DataLoader(batches(args, sizes["vocab_size"], self.global_rank), batch_size=None)
+            pin = torch.cuda.is_available() and not args.smoke  # as a GPU user's loader does
+            return DataLoader(batches(args, sizes["vocab_size"], self.global_rank), batch_size=None, pin_memory=pin)
 
     return Benchmarked()
+
+
+def options(args: argparse.Namespace) -> List[str]:
+    chosen = [name for name in (args.options or "").split(",") if name]
+    unknown = sorted(set(chosen) - set(OPTIONS))
+    if unknown:
+        raise SystemExit(f"unknown --options {unknown}: choose from {sorted(OPTIONS)}")
+    return chosen
+
+
+def ddp_strategy(args: argparse.Namespace) -> Any:
+    """Lightning's DDP strategy with the run's ``OPTIONS``."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    chosen = options(args)
+    if "no_ddp_optimizer" in chosen:
+        torch._dynamo.config.optimize_ddp = False
+    kwargs: Dict[str, Any] = {}
+    if "bucket_view" in chosen:
+        kwargs["gradient_as_bucket_view"] = True
+    if "static_graph" in chosen:
+        kwargs["static_graph"] = True
+    if "bf16_grads" in chosen:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        kwargs["ddp_comm_hook"] = default_hooks.bf16_compress_hook
+    return DDPStrategy(**kwargs)
 
 
 def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
@@ -144,7 +189,9 @@ def worker(args: argparse.Namespace) -> None:
     module = lightning_module(args, callback)
     strategy: Any = "auto"
     if args.gpus > 1:
-        strategy = "ddp" if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
+        strategy = (
+            ddp_strategy(args) if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
+        )
     trainer = quiet_trainer(
         torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy, max_steps=args.steps,
         callbacks=callbacks, precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
@@ -228,6 +275,7 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any], medians: List[
         "experiment": args.experiment + ("+collectives" if args.collectives else ""),
         "strategy": args.strategy if args.gpus > 1 else "-",
         "policy": args.policy,
+        "options": args.options or "",
         "gpus": args.gpus,
         # every rank steps together: the slowest rank's median step sets the pace
         "samples_per_s": args.batch * args.gpus / max(medians) if None not in medians else None,
@@ -247,7 +295,7 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any], medians: List[
 def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any]:
     """One fresh job with its own empty Inductor and Triton caches; ``run``: model, experiment, strategy, policy,
     gpus, and optionally collectives and cache_dir."""
-    run = {"experiment": "scaling", "collectives": False, "cache_dir": None} | run
+    run = {"experiment": "scaling", "collectives": False, "cache_dir": None, "options": None} | run
     name = "-".join(str(v) for v in run.values() if v not in (None, False)).replace("/", "_")
     command = ["--worker", "--batch", str(args.batch), "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
     command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
@@ -257,7 +305,7 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     result = run_fresh(__file__, command, args.timeout, caches=Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder)))
     result.pop("process_s")
     if result.get("error"):
-        keys = ("model", "experiment", "policy", "gpus")
+        keys = ("model", "experiment", "policy", "options", "gpus")
         row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
         return row | {"error": result["error"]}
     return result
@@ -267,13 +315,13 @@ def compare_to_one(rows: List[Dict[str, Any]]) -> None:
     """Each scaling row's throughput and slowest first step against the same (model, policy) on one device (the
     goal: >= 1.9x on two GPUs, first step <= 1.1x); a warm cache row's first steps against its cold row's."""
     ok = [r for r in rows if not r.get("error")]
-    single = {(r["model"], r["policy"]): r for r in ok if r["gpus"] == 1}
+    single = {(r["model"], r["policy"], "fused" in (r.get("options") or "")): r for r in ok if r["gpus"] == 1}
     cold = {(r["model"], r["policy"]): r for r in ok if r["experiment"] == "scaling" and r.get("cache")}
     for row in rows:
-        base = single.get((row["model"], row["policy"]))
+        base = single.get((row["model"], row["policy"], "fused" in (row.get("options") or "")))
         if row["experiment"] == "cache":
             base = cold.get((row["model"], row["policy"]))
-        elif row["experiment"] != "scaling":
+        elif row["experiment"] not in ("scaling", "ddp-options"):
             continue
         usable = base is not None and not row.get("error")
         throughput = usable and row.get("samples_per_s") and base.get("samples_per_s")
@@ -295,6 +343,13 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
         if "cache" in args.experiments:
             warm = dict(experiment="cache", strategy="ddp", policy="regional", gpus=n, cache_dir=f"{cache_dir}/{model}")
             runs.append(dict(model=model, **warm))
+        if "ddp-options" in args.experiments:
+            for strategy, policy, chosen, gpus in OPTION_RUNS:
+                gpus = n if gpus > 1 else 1
+                run = dict(
+                    experiment="ddp-options", strategy=strategy, policy=policy, gpus=gpus, options=chosen or None
+                )
+                runs.append(dict(model=model, **run))
         wanted = [e for e in args.experiments.split(",") if e.startswith("collectives")]
         if wanted and model == args.models.split(",")[0] and not args.smoke:
             for collectives in (False, True) if "collectives" in wanted else (True,):  # collectives-on: one
@@ -317,7 +372,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-dir", help="profile 3 steps near the end of each run (torch.profiler) into it")
-    for hidden in ("model", "experiment", "strategy", "policy", "cache-dir"):
+    for hidden in ("model", "experiment", "strategy", "policy", "cache-dir", "options"):
         parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
     parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)

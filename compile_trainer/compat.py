@@ -125,6 +125,27 @@ def set_compiler_collectives(enabled: bool) -> bool:
     return previous
 
 
+# torch._dynamo.config.optimize_ddp: True or "ddp_optimizer" splits each graph compiled inside DDP's forward at
+# the bucket boundaries (DDPOptimizer; convert_frame asks DistributedDataParallel._get_active_ddp_module()), False
+# or "no_optimization" leaves graphs whole; other strings are compiled-autograd modes ("python_reducer"), left as set.
+
+
+def ddp_optimizer_on() -> bool:
+    return torch._dynamo.utils.get_optimize_ddp_mode() == "ddp_optimizer"
+
+
+def turn_off_ddp_optimizer() -> Any:
+    """Turn Dynamo's DDPOptimizer off where it is on; returns the previous ``optimize_ddp`` (to restore it with)."""
+    previous = torch._dynamo.config.optimize_ddp
+    if ddp_optimizer_on():
+        torch._dynamo.config.optimize_ddp = False
+    return previous
+
+
+def set_optimize_ddp(value: Any) -> None:
+    torch._dynamo.config.optimize_ddp = value
+
+
 def ignored_logger_methods() -> set:
     return set(torch._dynamo.config.ignore_logger_methods)
 
@@ -784,6 +805,21 @@ def _probe_compiler_collectives() -> None:
     assert compiler_collectives() is previous
 
 
+def _probe_ddp_optimizer() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert DistributedDataParallel._get_active_ddp_module() is None
+    previous = torch._dynamo.config.optimize_ddp
+    try:
+        set_optimize_ddp(True)
+        assert ddp_optimizer_on() is True
+        assert turn_off_ddp_optimizer() is True and ddp_optimizer_on() is False
+        set_optimize_ddp("python_reducer")
+        assert turn_off_ddp_optimizer() == "python_reducer" and torch._dynamo.config.optimize_ddp == "python_reducer"
+    finally:
+        set_optimize_ddp(previous)
+
+
 def _probe_ignored_logger_methods() -> None:
     """A logger method in the set is dropped from traced code (no graph break), and Dynamo can still log its config."""
     previous = set_ignored_logger_methods(ignored_logger_methods() | {logging.Logger.warning})
@@ -1043,6 +1079,7 @@ ENTRIES = [
     Entry("graph_break_reasons", _probe_graph_breaks),
     Entry("cudagraph_skips", _probe_cudagraph_skips),
     Entry("set_compiler_collectives", _probe_compiler_collectives),
+    Entry("turn_off_ddp_optimizer", _probe_ddp_optimizer),
     Entry("set_ignored_logger_methods", _probe_ignored_logger_methods),
     Entry("backends", _probe_backends),
     Entry("inductor_backend", _probe_inductor_backend),

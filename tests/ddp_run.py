@@ -36,6 +36,15 @@ from recipes.data import TokenBatch  # noqa: E402
 from recipes.gpt import GPTConfig, LanguageModel, compile_and_shard  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+BACKEND_COMPILES = [0]  # graphs handed to the eager_counted backend in this process (DDPOptimizer's splits: each)
+
+
+@torch._dynamo.register_backend(name="eager_counted")
+def eager_counted(graph_module, example_inputs):
+    BACKEND_COMPILES[0] += 1
+    return graph_module.forward
+
+
 LENGTHS = [16, 12, 16, 8]  # one per global batch, cycling
 BACKGROUND_THREAD = "compile_trainer-background"
 
@@ -76,9 +85,10 @@ class HeldBackgroundCompile:
 class RecordingLM(LanguageModel):
     """Records each step's loss averaged over the ranks (the loss of the global batch)."""
 
-    def __init__(self, global_batch: int, batch: int, steps: int, skew: bool = False):
+    def __init__(self, global_batch: int, batch: int, steps: int, skew: bool = False, width: Optional[int] = None):
         torch.manual_seed(0)
-        super().__init__(CONFIG, lr=1e-2, warmup_steps=0, decay_steps=10_000, weight_decay=0.0)
+        config = dataclasses.replace(CONFIG, n_embd=width) if width else CONFIG
+        super().__init__(config, lr=1e-2, warmup_steps=0, decay_steps=10_000, weight_decay=0.0)
         self.global_batch, self.batch, self.steps, self.skew = global_batch, batch, steps, skew
         self.losses_by_step = {}  # a warm-up batch (shapes.warmup) runs before the step's real one: overwritten
         self.sync_grads = False  # gather the loss as a user's contrastive loss would: all_gather(sync_grads=True)
@@ -138,6 +148,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--clip", type=float, help="the Trainer's gradient_clip_val (by norm)")
     parser.add_argument("--auto-steps", type=int, default=3, help="optimizer.compile auto: timed steps per candidate")
     parser.add_argument("--consistent-dynamic-shapes", action="store_true")
+    parser.add_argument("--bucket-cap-mb", type=float, help="DDPStrategy(bucket_cap_mb=...)")
+    parser.add_argument("--width", type=int, help="the GPT's n_embd (default: CONFIG's)")
+    parser.add_argument("--split-at-buckets", action="store_true", help="distributed.split_graphs_at_ddp_buckets")
     parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
     parser.add_argument("--cache", help="a compile cache directory (read-write)")
     parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
@@ -193,11 +206,17 @@ def train(args: argparse.Namespace) -> CompileCallback:
         overrides["shapes"] = {"pad": {"auto": {"count": 2, "sample_batches": 8, "multiple_of": 4}}}
     if args.cache:
         overrides["cache"] = {"dir": args.cache, "mode": "read-write"}
-    if args.consistent_dynamic_shapes:
-        overrides["distributed"] = {"consistent_dynamic_shapes": True}
+    overrides["distributed"] = {
+        "consistent_dynamic_shapes": args.consistent_dynamic_shapes,
+        "split_graphs_at_ddp_buckets": args.split_at_buckets,
+    }
     callback = CompileCallback(args.policy, **overrides)
-    module = RecordingLM(args.global_batch, args.batch, args.steps, args.skew)
+    module = RecordingLM(args.global_batch, args.batch, args.steps, args.skew, args.width)
     strategy = args.strategy if args.devices > 1 else "auto"
+    if args.bucket_cap_mb and args.devices > 1:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = DDPStrategy(bucket_cap_mb=args.bucket_cap_mb)
     if args.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -211,6 +230,7 @@ def train(args: argparse.Namespace) -> CompileCallback:
         strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, gradient_clip_val=args.clip,
     )  # fmt: skip
+    compiled_before = BACKEND_COMPILES[0]
     trainer.fit(module)
     checkpoint = Path(args.out).with_suffix(".ckpt")
     trainer.save_checkpoint(checkpoint)
@@ -241,6 +261,7 @@ def train(args: argparse.Namespace) -> CompileCallback:
         "world_size": trainer.world_size,
         "gathered_while_compiling": module.gathered_while_compiling,
         "grad_norms": [float(step.grad_norm) for step in callback.optimizer_steps],
+        "backend_compiles": BACKEND_COMPILES[0] - compiled_before,
     }
     Path(args.out).write_text(json.dumps(result, default=str))
     return callback

@@ -373,6 +373,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     # Restored by remove(), not by garbage collection: a generator-based context manager would restore them
     # whenever a forgotten AppliedPolicy is collected, under the feet of the policy applied since.
     applied.process_settings.callback(compat.set_recompile_limit, compat.set_recompile_limit(policy.recompile_limit))
+    if not policy.distributed.split_graphs_at_ddp_buckets:
+        applied.process_settings.callback(compat.set_optimize_ddp, compat.turn_off_ddp_optimizer())
     if policy.distributed.consistent_dynamic_shapes:
         applied.process_settings.callback(compat.set_compiler_collectives, compat.set_compiler_collectives(True))
         applied.notes.append("compiler collectives on: every rank makes the same dynamic-shape decisions")

@@ -3,8 +3,9 @@
 - one process (``SingleDeviceStrategy``): the callback applies the policy at ``on_fit_start``.
 - ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ``ddp_fork``): Lightning wraps the module in
   ``DistributedDataParallel`` in ``strategy.setup``, before ``on_fit_start``; the regions are the module's own
-  submodules, compiled in place inside the wrapper, never around it. Dynamo does not see the DDP module, so its
-  DDPOptimizer does not split graphs at bucket boundaries: the graphs and recompiles are those of one process,
+  submodules, compiled in place inside the wrapper, never around it. They run inside DDP's forward, where
+  Dynamo's DDPOptimizer would split each of their graphs at the bucket boundaries; the policy turns it off
+  (``distributed.split_graphs_at_ddp_buckets``), so the graphs and recompiles are those of one process,
   whatever ``bucket_cap_mb``.
 - ``ModelParallelStrategy`` (FSDP2): the blocks must be compiled before ``fully_shard`` wraps them (torchtitan's
   order: activation checkpointing, compile each block, ``fully_shard`` each block, then the root), which
@@ -85,7 +86,8 @@ def where_compiled(kind: str) -> str:
     return {
         "single": "",
         "ddp": "strategy ddp: regions compiled in place inside DistributedDataParallel (the wrapper itself is not "
-        "compiled: no DDPOptimizer graph splits, the graphs of one process)",
+        "compiled); graphs split at DDP's bucket boundaries (Dynamo's DDPOptimizer) only with "
+        "distributed.split_graphs_at_ddp_buckets",
         "fsdp2": "strategy fsdp2: regions compiled in configure_model before fully_shard (each compiled block "
         "sharded as its own FSDP unit); FSDP2's all-gather/reshard hooks run eagerly (Dynamo's skip_fsdp_hooks): "
         "a graph break where a block's frame calls them, expected",
