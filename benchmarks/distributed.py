@@ -307,6 +307,7 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     if result.get("error"):
         keys = ("model", "experiment", "policy", "options", "gpus")
         row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
+        row["experiment"] += "+collectives" if run["collectives"] else ""
         return row | {"error": result["error"]}
     return result
 
