@@ -339,6 +339,13 @@ CUDNN_ATTENTION_OFF = (
 )
 
 
+COMPILER_COLLECTIVES_NOTE = (
+    "compiler collectives on: every rank makes the same dynamic-shape decisions; seen to hang on 2 x H200 "
+    "(torch 2.11, regional, ranks of different lengths), where the ranks recompiled in step without them "
+    "(docs/distributed.md)"
+)
+
+
 def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.device] = None) -> AppliedPolicy:
     """Resolve ``policy`` against ``root`` and compile its regions in place.
 
@@ -377,7 +384,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         applied.process_settings.callback(compat.set_optimize_ddp, compat.turn_off_ddp_optimizer())
     if policy.distributed.consistent_dynamic_shapes:
         applied.process_settings.callback(compat.set_compiler_collectives, compat.set_compiler_collectives(True))
-        applied.notes.append("compiler collectives on: every rank makes the same dynamic-shape decisions")
+        applied.notes.append(COMPILER_COLLECTIVES_NOTE)
     ignored = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
     applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
     unpadded_lengths = policy.shapes.dynamic and not policy.shapes.pad.enabled
