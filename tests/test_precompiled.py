@@ -226,3 +226,5 @@ def test_lightning_captures_under_its_precision_plugin_and_the_next_run_is_serve
     second = _fit_under_cache(tmp_path, precision)
     assert second["cache_precompiled_hits"] >= 3 and second["cache_precompiled_misses"] == 0
     assert (second["compiles"], second["eager_fallbacks"]) == (0, 0)
+    # nothing compiled, but the first step loaded the artifacts: a warm-up step, kept out of steady state
+    assert (second["compile_steps"], second["warmup_steps"], second["steady_steps"]) == (0, 1, 2)

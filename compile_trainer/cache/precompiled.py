@@ -192,6 +192,7 @@ class PrecompiledRegions:
         # entry key -> why its capture failed (in this run or the bundle's): not tried again, its calls not kept
         self.uncapturable: Dict[str, str] = dict(uncapturable or {})
         self.capture_s, self.load_s = 0.0, 0.0
+        self.loads = 0  # (entry, state) pairs whose artifacts were loaded: a step that loads is no steady step
         self.pending: List[PendingCapture] = []
         self._ready: Dict[Tuple[str, GlobalState], List[Artifact]] = {}  # (entry_key, state) -> loaded artifacts
         self._written = (0, len(self.uncapturable))  # (captures, uncapturable entries) at the last save
@@ -234,6 +235,7 @@ class PrecompiledRegions:
             wanted = (item.entry_key, repr(key[1]))
             self._ready[key] = [a for a in self.loaded if (a.entry_key, a.state) == wanted and self._load(a, item)]
             self.load_s += time.perf_counter() - started
+            self.loads += bool(self._ready[key])
         return self._ready[key]
 
     def _load(self, artifact: Artifact, item: CompiledRegion) -> bool:

@@ -163,6 +163,11 @@ class CompileCache:
         }
 
     @property
+    def precompiled_loads(self) -> int:
+        """How many times the precompiled layer has loaded artifacts (each a pause in the step that asked)."""
+        return self.precompiled.loads if self.precompiled is not None else 0
+
+    @property
     def pending_captures(self) -> int:
         """Region calls that compiled and that a ``final`` save will capture (on every rank of a writing cache;
         rank 0 gathers the other ranks' captures into its bundle)."""

@@ -69,6 +69,7 @@ class CompileCallback(pl.Callback):
         self.gradient_copies: Optional[GradientCopies] = None
         self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
         self.cache: Optional[CompileCache] = None
+        self._loads_at_step_start = 0  # the precompiled layer's loads when the step started
         self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
         self.applied_before_fit: Optional[AppliedPolicy] = None  # on the module at setup, before configure_model
         self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
@@ -206,6 +207,7 @@ class CompileCallback(pl.Callback):
         if self.background is not None and not self.background.installed and self.background.poll():
             _log_background(trainer, self.background)
         self.applied.begin_step()
+        self._loads_at_step_start = self.cache.precompiled_loads if self.cache is not None else 0
         if self.telemetry is not None:
             self.telemetry.on_train_batch_start(trainer, batch)
 
@@ -216,7 +218,8 @@ class CompileCallback(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.telemetry is not None:
             compiling = self.background is not None and not self.background.installed
-            self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling)
+            loaded = self.cache is not None and self.cache.precompiled_loads != self._loads_at_step_start
+            self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling, loaded_compiled_code=loaded)
         if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
             self._save_cache()
 

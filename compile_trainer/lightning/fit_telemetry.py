@@ -142,14 +142,17 @@ class FitTelemetry:
         if self._flop_count is not None and trainer.lightning_module.automatic_optimization:
             self._finish_flop_count()
 
-    def on_train_batch_end(self, trainer: pl.Trainer, batch: Any, compiling: bool = False) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, batch: Any, compiling: bool = False, loaded_compiled_code: bool = False
+    ) -> None:
         """``compiling``: a compile was under way during the step elsewhere (a background compile), so the
-        step does not count as steady state either."""
+        step does not count as steady state either; ``loaded_compiled_code``: the step loaded precompiled code
+        from the compile cache (a warm-up step: nothing compiled, but it paused)."""
         if self._flop_count is not None:
             self._finish_flop_count()
         compiled = self.compile.compile_count != self._compiles_at_start
         recorded = self.compile.cudagraph_recordings != self._recordings_at_start
-        kind = COMPILE if compiled or compiling else WARMUP if self._counted_step else STEADY
+        kind = COMPILE if compiled or compiling else WARMUP if self._counted_step or loaded_compiled_code else STEADY
         self.throughput.step_end(kind, recorded_cuda_graphs=recorded)
         if compiled:
             self.compile.collect()
@@ -276,7 +279,7 @@ class FitTelemetry:
             f"  steps {summary['steps']} ({summary['compile_steps']} with compiles"
             + (f" or CUDA-graph recordings ({recorded})" if recorded else "")
             + f", {show('compile_steps_time_s', unit=' s')} in them; "
-            + (f"{summary['warmup_steps']} warm-up (FLOPs counted); " if summary["warmup_steps"] else "")
+            + (f"{summary['warmup_steps']} warm-up (FLOPs counted, cache loaded); " if summary["warmup_steps"] else "")
             + f"first step {show('first_step_time_s', unit=' s')})",
             f"  steady step {show('steady_step_time_s', 1e-3, ' ms')} "
             f"(median {show('steady_step_time_median_s', 1e-3, ' ms')}), {show('steady_steps_per_s')} steps/s, "
