@@ -124,3 +124,19 @@ def test_cuda_graph_checks_benchmark_smoke(tmp_path):
     loops = ("raw loop, no gradient copies", "raw loop, copy_cuda_graph_gradients", "Lightning + CompileCallback")
     assert [(row["how"], row["accumulate"]) for row in rows] == [(how, n) for n in (1, 2) for how in loops]
     assert all(row["ok"] and row["max_weight_rel_diff"] < 1e-3 for row in rows), rows
+
+
+@pytest.mark.parametrize(
+    "mode, options, expected",
+    [
+        ("reduce-overhead", None, True),
+        ("max-autotune", None, True),  # its mode's options hold triton.cudagraphs too
+        ("max-autotune-no-cudagraphs", None, False),
+        (None, {"triton.cudagraphs": True}, True),
+        (None, None, False),
+    ],
+)
+def test_cuda_graphs_are_read_from_the_mode_and_the_options(mode, options, expected):
+    from compile_trainer.compiling.regions import kwargs_use_cuda_graphs
+
+    assert kwargs_use_cuda_graphs({"backend": "inductor", "mode": mode, "options": options}) is expected

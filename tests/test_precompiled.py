@@ -228,3 +228,25 @@ def test_lightning_captures_under_its_precision_plugin_and_the_next_run_is_serve
     assert (second["compiles"], second["eager_fallbacks"]) == (0, 0)
     # nothing compiled, but the first step loaded the artifacts: a warm-up step, kept out of steady state
     assert (second["compile_steps"], second["warmup_steps"], second["steady_steps"]) == (0, 1, 2)
+
+
+def test_regions_compiled_for_cuda_graphs_load_with_cuda_graphs(tmp_path):
+    """Loading an artifact takes CUDA graphs from the Inductor config of the moment, not from the options it was
+    compiled with (torch 2.11-2.14): the layer sets them per region. On the CPU, Inductor considers CUDA graphs for
+    a graph that asks for them and skips them (a counted skip); a graph loaded without them counts none."""
+    x = torch.randn(4, WIDTH)
+    reference = _step(_net(), x)
+    graphs = {"backend": "inductor", "options": {"triton.cudagraphs": True}}
+    cache, applied = _run(_net(), tmp_path, **graphs)
+    skips = compat.cudagraph_skips()
+    _step(applied.root, x)
+    compiled_skips = compat.cudagraph_skips() - skips
+    assert compiled_skips > 0, "Inductor considered CUDA graphs for the compiled regions"
+    assert cache.save([item.region.name for item in applied.compiled], 1.0, final=True)
+
+    cache, applied = _run(_net(), tmp_path, **graphs)
+    skips, traced = compat.cudagraph_skips(), compat.unique_graphs()
+    step = _step(applied.root, x)
+    assert compat.unique_graphs() == traced and cache.summary(0.0)["cache_precompiled_hits"] == 5
+    assert compat.cudagraph_skips() - skips == compiled_skips, "the loaded graphs asked for CUDA graphs too"
+    _assert_same(step, reference)

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 from compile_trainer import compat
 from compile_trainer.cache.bundle import BundleError, CompileCacheWarning, decode, encode
 from compile_trainer.compiling.region_call import PRECOMPILED
-from compile_trainer.compiling.regions import CompiledRegion
+from compile_trainer.compiling.regions import CompiledRegion, kwargs_use_cuda_graphs
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,8 @@ class PrecompiledRegions:
     def _load(self, artifact: Artifact, item: CompiledRegion) -> bool:
         """Load ``artifact``; one that cannot be used is dropped (a warning says why) and never saved again."""
         try:
-            function = compat.load_aot_compiled(artifact.data, item.entry.__globals__)
+            cudagraphs = kwargs_use_cuda_graphs(item.compile_kwargs)
+            function = compat.load_aot_compiled(artifact.data, item.entry.__globals__, cudagraphs=cudagraphs)
             changed = compat.aot_changed_sources(function, skip=_torch_source)
             if changed:
                 raise BundleError(f"the model's code changed since it was compiled: {', '.join(changed)}")

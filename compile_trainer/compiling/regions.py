@@ -250,7 +250,10 @@ def settings_for_dynamic_sizes(settings: CompileSettings, dynamic: Sequence[Any]
 
 
 def kwargs_use_cuda_graphs(kwargs: Dict[str, Any]) -> bool:
-    return kwargs["mode"] == "reduce-overhead" or bool((kwargs["options"] or {}).get("triton.cudagraphs"))
+    """Whether ``torch.compile(**kwargs)`` (``compile_kwargs``) asks Inductor for CUDA graphs, by its mode's
+    options (``reduce-overhead``, ``max-autotune``) or its own."""
+    mode_options = compat.inductor_mode_options(kwargs["mode"]) if kwargs["mode"] else {}
+    return bool({**mode_options, **(kwargs["options"] or {})}.get("triton.cudagraphs"))
 
 
 def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
