@@ -40,6 +40,28 @@ def test_compiler_collectives_option_sets_and_restores_dynamo_config():
     assert compat.compiler_collectives() is before
 
 
+def test_under_compiler_collectives_inductor_adds_no_size_guard_of_its_own():
+    """A size guard checked against one rank's sizes recompiles that rank alone, which then waits in the compile's
+    collective: the regions get the options that keep Inductor's own size checks from guarding (where this torch
+    has them), as under declared dynamic sizes."""
+    from torch import nn
+
+    from compile_trainer.compat import inductor_options_without_size_guards
+
+    def applied_options(**distributed):
+        policy = to_policy("regional", backend="inductor", distributed=distributed)
+        applied = apply_policy(nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)]), policy)
+        options = [item.region.settings.options for item in applied.compiled]
+        applied.remove()
+        assert len(options) == 3, "every block compiled"
+        return options
+
+    without = inductor_options_without_size_guards()
+    assert all(without.items() <= options.items() for options in applied_options(consistent_dynamic_shapes=True))
+    if without:  # torch >= 2.10
+        assert not any(without.items() <= options.items() for options in applied_options())
+
+
 def test_rank_report_names_divergent_ranks():
     summaries = [
         {"compile_time_s": 1.0, "recompiles": 2, "first_step_time_s": 0.5, "unique_graphs": 4},

@@ -240,10 +240,13 @@ def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dic
     return kwargs, notes
 
 
-def settings_for_dynamic_sizes(settings: CompileSettings, dynamic: Sequence[Any]) -> CompileSettings:
-    """With sizes declared dynamic (``shapes.dynamic``), Inductor options that keep Inductor from guarding on
-    them (``compat.inductor_options_without_size_guards``); options the policy gives win."""
-    if not dynamic or settings.backend != "inductor":
+def settings_for_varying_sizes(settings: CompileSettings, sizes_vary: bool) -> CompileSettings:
+    """Where sizes vary between calls, Inductor options that keep Inductor from guarding on them
+    (``compat.inductor_options_without_size_guards``); options the policy gives win. Sizes vary when they are
+    declared dynamic (``shapes.dynamic``), and under compiler collectives (``distributed.consistent_dynamic_shapes``)
+    whatever made them dynamic: there a guard on a size, checked against each rank's own sizes, recompiles one
+    rank alone, which then waits in the compile's collective for ranks that never join it."""
+    if not sizes_vary or settings.backend != "inductor":
         return settings
     options = {**compat.inductor_options_without_size_guards(), **settings.options}
     return dataclasses.replace(settings, options=options)
@@ -343,8 +346,8 @@ CUDNN_ATTENTION_OFF = (
 
 
 COMPILER_COLLECTIVES_NOTE = (
-    "compiler collectives on: every rank makes the same dynamic-shape decisions; seen to hang on 2 x H200 "
-    "(torch 2.11, regional, ranks of different lengths), where the ranks recompiled in step without them "
+    "compiler collectives on: every rank makes the same dynamic-shape decisions, Inductor guards on no size; seen "
+    "to hang on 2 x H200 before that (torch 2.11, regional, ranks of different lengths), not re-measured since "
     "(docs/distributed.md)"
 )
 
@@ -371,7 +374,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         return applied
     planned, noted = [], {}  # note -> the regions it applies to
     for region in plan.regions:  # every check before anything is compiled
-        region.settings = settings_for_dynamic_sizes(region.settings, policy.shapes.dynamic)
+        sizes_vary = bool(policy.shapes.dynamic) or policy.distributed.consistent_dynamic_shapes
+        region.settings = settings_for_varying_sizes(region.settings, sizes_vary)
         kwargs, notes = compile_kwargs(region.settings, device)
         for note in notes:
             noted.setdefault(note, []).append(region.name)
