@@ -8,7 +8,14 @@ Per row: the first step and the median steady step (the benchmark's own CUDA-eve
 and MFU from them (FLOPs counted once per model by ``FlopCounterMode`` on the eager model), and next to them the
 callback's summary figures (``steady_items_per_s`` or ``steady_samples_per_s``, ``mfu``), with their ratio.
 
+Then the compile cache as ``train.py`` uses it, through Lightning's ``bf16-mixed`` plugin: the recipe
+``gpt2_small`` under ``regional`` and ``full``, each trained twice with ``compile.cache.dir`` (``cold`` writes the
+bundle; ``new_machine`` starts with empty Inductor and Triton caches and loads it), and ``full`` once with no cache
+(``cold_no_cache``, the base of ``vs_full_cold``). Per row: the first step, how many region calls the precompiled
+layer served and how many Dynamo traced, the graphs compiled, eager fallbacks, and captures that failed.
+
     python benchmarks/lightning_dropin.py --out benchmarks/results/lightning_dropin.json
+    python benchmarks/lightning_dropin.py --models llama --cache-policies '' --out /tmp/llama.json   # one part
     python benchmarks/lightning_dropin.py --smoke --out /tmp/dropin.json     # CPU, tiny models, aot_eager
 
 Importable without hydra and wandb (the GPU image has neither; omegaconf is carried).
@@ -17,6 +24,7 @@ Importable without hydra and wandb (the GPU image has neither; omegaconf is carr
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -41,9 +49,13 @@ from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E
 
 MODELS = ("llama", "vit")
 VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
+CACHE_POLICIES = ("regional", "full")
+CACHE_MODEL = {False: "gpt2_small (train.py)", True: "gpt_tiny (train.py, smoke)"}
+CACHE_PHASES = ("cold", "new_machine")
 COLUMNS = [
     "model", "variant", "first_step_s", "step_ms", "units", "per_s", "mfu", "summary_per_s", "summary_vs_own",
-    "summary_mfu", "summary_mfu_vs_own", "summary_first_step_s", "error",
+    "summary_mfu", "summary_mfu_vs_own", "summary_first_step_s", "precompiled_served", "traced", "graphs",
+    "eager_fallbacks", "failed_captures", "vs_full_cold", "error",
 ]  # fmt: skip
 
 
@@ -148,6 +160,65 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     return row
 
 
+def train_py(args: argparse.Namespace) -> Dict[str, Any]:
+    """One ``train.py`` run of the recipe (this process's Inductor and Triton caches are ``run_fresh``'s), its
+    row read from the run's ``result.json``."""
+    import subprocess
+    import tempfile
+
+    policy, phase = args.cache_run.split(":")
+    recipe = ["recipe=gpt_tiny", "trainer.accelerator=cpu", "compile.backend=aot_eager"] if args.smoke else []
+    overrides = recipe or ["recipe=gpt2_small", "trainer=gpu"]
+    overrides += [f"compile={policy}", "logger=csv", f"trainer.max_steps={args.steps}", "trainer.limit_val_batches=0"]
+    overrides += [f"compile.cache.dir={args.bundle}"] if phase != "cold_no_cache" else []
+    with tempfile.TemporaryDirectory(prefix="train-py-") as run_dir:
+        command = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        result_file = Path(run_dir) / "result.json"
+        if done.returncode != 0 or not result_file.exists():
+            raise RuntimeError(f"train.py exit {done.returncode}: {(done.stderr or done.stdout)[-2000:]}")
+        summary = json.loads(result_file.read_text())["summary"]
+    skipped = summary.get("cache_precompiled_skipped") or {}
+    return {
+        "model": CACHE_MODEL[args.smoke],
+        "variant": f"{policy} {phase}",
+        "first_step_s": summary.get("first_step_time_s"),
+        "step_ms": (summary.get("steady_step_time_median_s") or 0) * 1e3 or None,
+        "precompiled_served": summary.get("cache_precompiled_hits"),
+        "traced": summary.get("cache_precompiled_misses"),
+        "graphs": summary.get("unique_graphs"),
+        "eager_fallbacks": summary.get("eager_fallbacks"),
+        "failed_captures": len(skipped),
+        "error": None,
+    }
+
+
+def run_cache(args: argparse.Namespace, policy: str, phase: str, bundle: Path) -> Dict[str, Any]:
+    command = ["--worker", "--cache-run", f"{policy}:{phase}", "--bundle", str(bundle), "--steps", str(args.steps)]
+    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
+    result.pop("process_s")
+    row = {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}"}
+    return result if not result.get("error") else row | {"error": result["error"]}
+
+
+def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Each policy cold, then on a new machine, with one bundle directory; ``full`` with no cache, the base."""
+    import tempfile
+
+    policies = [p for p in args.cache_policies.split(",") if p]
+    if not policies:
+        return []
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dropin-bundles-") as folder:
+        for policy in policies:
+            rows += [run_cache(args, policy, phase, Path(folder) / policy) for phase in CACHE_PHASES]
+        rows.append(run_cache(args, "full", "cold_no_cache", Path(folder) / "none"))
+    base = rows[-1].get("first_step_s")
+    for row in rows:
+        row["vs_full_cold"] = row["first_step_s"] / base if base and row.get("first_step_s") else None
+    return rows
+
+
 def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
     command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
     result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
@@ -163,15 +234,22 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=None, help="training steps a variant (50; 4 with --smoke)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds a variant may take")
+    parser.add_argument(
+        "--cache-policies", default=",".join(CACHE_POLICIES), help="train.py cache runs of these ('' for none)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-run", help=argparse.SUPPRESS)
+    parser.add_argument("--bundle", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.steps = args.steps or (4 if args.smoke else 50)
     if args.worker:
-        return worker(args.worker_out, lambda: measure(args), args.timeout)
-    rows = [run_variant(args, m, v) for m in args.models.split(",") for v in args.variants.split(",")]
+        return worker(args.worker_out, lambda: train_py(args) if args.cache_run else measure(args), args.timeout)
+    models = [m for m in args.models.split(",") if m]
+    rows = [run_variant(args, m, v) for m in models for v in args.variants.split(",")]
+    rows += cache_rows(args)
     notes = [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
         "process with empty compile caches.",
@@ -179,6 +257,11 @@ def main() -> None:
         " per_s and mfu from it (FLOPs: FlopCounterMode on the eager model, GQA attention counted as its kernels do).",
         "summary_*: CompileCallback.summary() of the same run, with no telemetry configured; *_vs_own: its ratio to "
         "the benchmark's own figure (goal: within 5%).",
+        "gpt2_small (train.py): the recipe through train.py (trainer=gpu: bf16-mixed), each run a fresh process; "
+        "new_machine loads the cold run's bundle with empty Inductor and Triton caches; precompiled_served / traced: "
+        "region calls the precompiled layer served / that Dynamo traced instead; vs_full_cold: the first step "
+        "against full's cold_no_cache (goal: <= 0.03 on a new machine, with 0 traced, 0 fallbacks, 0 failed "
+        "captures).",
     ]
     write_result(
         Path(args.out), "lightning_dropin", "The callback dropped into a plain LightningModule", COLUMNS, rows, notes
