@@ -12,6 +12,14 @@ GPU run, split in two commands that each fit in 10 minutes (``--append`` merges 
     python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
     python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
 
+The models as users configure them for training (``--models`` beyond the default four): ``llama_default`` (the
+Llama with its config's defaults, ``use_cache=True``), ``convnext_tiny`` (timm, or transformers' ConvNeXt-T),
+``vit_drop_path`` (timm's ViT-B/16 with ``drop_path_rate=0.1``, or transformers' BEiT of that shape) and
+``t5_base`` (T5ForConditionalGeneration of t5-base's shape, 12 + 12 layers, d 768, 8 x 512 tokens), e.g.
+
+    python benchmarks/real_models.py --models llama_default t5_base --policies regional --append
+    python benchmarks/real_models.py --models convnext_tiny vit_drop_path --policies regional --append
+
 CPU smoke run (tiny configs of the same families, aot_eager backend, all in one process), as the tests run it:
 
     python benchmarks/real_models.py --smoke --out /tmp/real_models.json
@@ -67,7 +75,13 @@ MODELS = {
     "gpt2": ModelSpec("lm", 8, 1024, "tokens"),
     "vit": ModelSpec("vision", 64, 224, "images"),
     "resnet50": ModelSpec("vision", 64, 224, "images"),
+    # as users configure them for training (issue 31): the config's defaults, stochastic depth, stages, two stacks
+    "llama_default": ModelSpec("lm", 8, 1024, "tokens"),
+    "convnext_tiny": ModelSpec("vision", 64, 224, "images"),
+    "vit_drop_path": ModelSpec("vision", 64, 224, "images"),
+    "t5_base": ModelSpec("lm", 8, 512, "tokens"),
 }
+DEFAULT_MODELS = ["llama", "gpt2", "vit", "resnet50"]
 # For the time estimate only: seconds of a cold first step on an H100 (torch 2.11). Measured there on 2026-11-23
 # (--isolation run, so a little warm): llama reduce-overhead 51 s, regional 12 s; vit reduce-overhead 26 s,
 # compile_regions 22 s, regional 7 s. The rest are guesses; "policy" is any policy (nested ones x 1.5). Each worker
@@ -77,6 +91,10 @@ COMPILE_GUESS = {
     "gpt2": {"torch_compile": 28, "torch_compile_reduce_overhead": 31, "compile_regions": 11, "policy": 12},
     "vit": {"torch_compile": 24, "torch_compile_reduce_overhead": 26, "compile_regions": 22, "policy": 7},
     "resnet50": {"torch_compile": 40, "torch_compile_reduce_overhead": 45, "compile_regions": 40, "policy": 20},
+    "llama_default": {"torch_compile": 66, "torch_compile_reduce_overhead": 69, "compile_regions": 20, "policy": 25},
+    "convnext_tiny": {"torch_compile": 54, "torch_compile_reduce_overhead": 57, "compile_regions": 54, "policy": 30},
+    "vit_drop_path": {"torch_compile": 24, "torch_compile_reduce_overhead": 26, "compile_regions": 22, "policy": 10},
+    "t5_base": {"torch_compile": 60, "torch_compile_reduce_overhead": 64, "compile_regions": 25, "policy": 25},
 }
 PROCESS_GUESS_S = 15
 SMOKE_BATCH = {"lm": (2, 32), "vision": (2, 32)}
@@ -99,6 +117,10 @@ CACHE_NOTE = (
 )
 MODEL_NOTES = {
     "llama": CACHE_NOTE.format(model="llama"),
+    "llama_default": "llama_default: the llama's shape with its config's defaults (use_cache=True)",
+    "vit_drop_path": "vit_drop_path: drop_path_rate=0.1, each block its own rate (random: losses differ by variant)",
+    "t5_base": "t5_base: t5-base's shape (12 + 12 layers, d 768), the config's defaults but dropout; 8 x 512 tokens "
+    "in and out (the labels are the inputs)",
     "gpt2": CACHE_NOTE.format(model="gpt2") + "; GPT2LMHeadModel has no loss_type its loss_function knows, so each "
     "call logs a warning_once, which Dynamo does not trace: a graph break where the loss is compiled with the model "
     "(the policies have Dynamo drop that call)",
@@ -154,13 +176,13 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
     and its number of classes or vocabulary size."""
     import transformers
 
-    if name == "llama":
+    if name in ("llama", "llama_default"):
         sizes = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
         sizes |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
         if smoke:
             sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
             sizes |= dict(num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
-        config = transformers.LlamaConfig(**sizes, use_cache=False)
+        config = transformers.LlamaConfig(**sizes, **({"use_cache": False} if name == "llama" else {}))
         return transformers.LlamaForCausalLM(config), "transformers LlamaForCausalLM", config.vocab_size
     if name == "gpt2":
         sizes = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
@@ -169,33 +191,61 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         config = transformers.GPT2Config(**sizes, **no_dropout, use_cache=False)
         return transformers.GPT2LMHeadModel(config), "transformers GPT2LMHeadModel", config.vocab_size
+    if name == "t5_base":
+        sizes = dict(d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_decoder_layers=12, num_heads=12)
+        if smoke:
+            sizes = dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=256)
+        # t5-base's config also sets the decoder's start token (transformers' T5Config has none by default)
+        config = transformers.T5Config(**sizes, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+        return (
+            transformers.T5ForConditionalGeneration(config),
+            "transformers T5ForConditionalGeneration",
+            config.vocab_size,
+        )
     classes = 10 if smoke else 1000
+    return _vision_model(name, smoke, classes)
+
+
+def _vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, int]:
+    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI)."""
+    import transformers
+
+    timm_name, timm_tiny, timm_extra = {
+        "vit": ("vit_base_patch16_224", dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2), {}),
+        "vit_drop_path": (
+            "vit_base_patch16_224",
+            dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
+            dict(drop_path_rate=0.1),
+        ),
+        "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), {}),
+        "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), {}),
+    }[name]
     if has_module("timm"):
         import timm
 
-        if name == "vit":
-            tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2) if smoke else {}
-            net = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=classes, **tiny)
-            return WithLoss(net), "timm vit_base_patch16_224", classes
-        tiny = dict(layers=(2, 2, 2, 2)) if smoke else {}
-        net = timm.create_model("resnet50", pretrained=False, num_classes=classes, **tiny)
-        return WithLoss(net), "timm resnet50", classes
+        tiny = timm_tiny if smoke else {}
+        net = timm.create_model(timm_name, pretrained=False, num_classes=classes, **tiny, **timm_extra)
+        return WithLoss(net), f"timm {timm_name}" + (" drop_path_rate=0.1" if timm_extra else ""), classes
+    vit_tiny = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    vit_tiny |= dict(intermediate_size=64)
     if name == "vit":  # transformers' defaults are ViT-B/16 at 224
-        tiny = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
-        tiny |= dict(intermediate_size=64)
-        config = transformers.ViTConfig(**(tiny if smoke else {}), num_labels=classes)
-        return (
-            WithLoss(transformers.ViTForImageClassification(config)),
-            "transformers ViTForImageClassification",
-            classes,
+        config = transformers.ViTConfig(**(vit_tiny if smoke else {}), num_labels=classes)
+        model, source = transformers.ViTForImageClassification(config), "transformers ViTForImageClassification"
+    elif name == "vit_drop_path":  # transformers' ViT has no stochastic depth; BEiT (ViT-B/16 by default) has
+        config = transformers.BeitConfig(**(vit_tiny if smoke else {}), drop_path_rate=0.1, num_labels=classes)
+        model, source = transformers.BeitForImageClassification(config), "transformers BeitForImageClassification"
+    elif name == "convnext_tiny":  # defaults: ConvNeXt-T
+        tiny = dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1]) if smoke else {}
+        config = transformers.ConvNextConfig(**tiny, num_labels=classes)
+        model, source = (
+            transformers.ConvNextForImageClassification(config),
+            "transformers ConvNextForImageClassification",
         )
-    tiny = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2]) if smoke else {}  # defaults: ResNet-50
-    config = transformers.ResNetConfig(**tiny, layer_type="bottleneck", num_labels=classes)
-    return (
-        WithLoss(transformers.ResNetForImageClassification(config)),
-        "transformers ResNetForImageClassification",
-        classes,
-    )
+    else:
+        tiny = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2]) if smoke else {}  # defaults: ResNet-50
+        config = transformers.ResNetConfig(**tiny, layer_type="bottleneck", num_labels=classes)
+        model, source = transformers.ResNetForImageClassification(config), "transformers ResNetForImageClassification"
+    return WithLoss(model), source, classes
 
 
 def make_batches(name: str, smoke: bool, size: int, count: int, device: torch.device) -> Tuple[List[Any], int]:
@@ -575,7 +625,7 @@ def write(path: Path, rows: List[Dict[str, Any]], notes: List[str], meta: Dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_models.json")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--variants", nargs="*", choices=list(PEERS), help="the peers to run (default: all)")
     parser.add_argument(
         "--policies", nargs="*", help=f"bundled policies to run, each as policy_<name> (default: {DEFAULT_POLICIES})"
@@ -666,7 +716,11 @@ def main() -> None:
         isolated += ", Dynamo reset and empty Inductor/Triton caches before each variant"
     notes = [f"{m}: {batch_text(m, args.smoke)} a step" for m in args.models]
     notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
-    if has_module("timm") and {"vit", "resnet50"} & set(args.models) and "compile_regions" in variants:
+    if (
+        has_module("timm")
+        and {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
+        and "compile_regions" in variants
+    ):
         notes.append(TIMM_NOTE)
     notes += [
         f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "

@@ -68,3 +68,34 @@ def test_real_models_smoke_compares_variants_side_by_side(tmp_path):
     for key, row in rows.items():
         assert merged[key].get("throughput_vs_full") == row.get("throughput_vs_full"), key
     assert data["meta"]["command"].count("real_models.py") == 2, "both commands are recorded"
+
+
+def test_real_models_smoke_runs_the_models_as_users_configure_them(tmp_path):
+    """Issue 31's rows: Llama with its config's defaults, ConvNeXt-T, a ViT-B/16 with drop_path_rate 0.1 (BEiT's
+    where timm is not installed) and t5-base's shape, each under eager, a full compile and regional."""
+    out = tmp_path / "configured.json"
+    models = ["llama_default", "convnext_tiny", "vit_drop_path", "t5_base"]
+    run(
+        [
+            "--smoke",
+            "--models",
+            *models,
+            "--variants",
+            "eager",
+            "torch_compile",
+            "--policies",
+            "regional",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = {(row["model"], row["variant"]): row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == [(m, v) for m in models for v in ("eager", "torch_compile", "policy_regional")]
+    for (model, _), row in rows.items():
+        assert "error" not in row, row
+        assert row["flops_per_step"] > 0 and row["recompiles"] == 0 and row["items_per_s"] > 0, row
+        # drop path draws random numbers: the same losses only where nothing random runs
+        assert row["loss_rel_diff_vs_eager"] < (1e-2 if model == "vit_drop_path" else 1e-4), row
+    timm = importlib.util.find_spec("timm") is not None
+    assert rows[("vit_drop_path", "eager")]["source"].startswith("timm" if timm else "transformers Beit")
+    assert rows[("t5_base", "eager")]["source"] == "transformers T5ForConditionalGeneration"
