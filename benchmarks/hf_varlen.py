@@ -18,6 +18,9 @@ Variants:
 - ``dynamic``: the bundled ``dynamic`` policy (entries by role, region inputs marked like the batch).
 - ``dynamic_full``: the bundled ``dynamic_full`` policy (the whole model one dynamic graph, lengths padded to
   multiples of 64, a CUDA graph per padded length).
+- ``dynamic_full_background``: the bundled ``dynamic_full_background`` policy: ``dynamic_full`` compiled on a
+  thread (``BackgroundCompile``) while the first steps run eagerly; steps before the compiled model takes over
+  are not steady.
 - ``buckets``: the bundled ``buckets`` policy with buckets 128/256/512/1024, every bucket compiled first.
 - ``buckets_auto``: the bundled ``buckets_auto`` policy: 4 buckets chosen from the first 64 batches' lengths.
 - ``fixed_length``: the same real tokens packed into full rows of 1024, ``torch.compile(model)``: the reference
@@ -57,6 +60,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.real_models import build_model  # noqa: E402
 from compile_trainer import compat  # noqa: E402
+from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import to_policy  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
@@ -64,14 +68,14 @@ from compile_trainer.shapes.bucket_warmup import BucketWarmup  # noqa: E402
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
 from compile_trainer.telemetry.compile_events import WARMUP_PHASE, CompileTelemetry  # noqa: E402
 
-VARIANTS = ["plain", "dynamic", "dynamic_full", "buckets", "buckets_auto", "fixed_length"]
+VARIANTS = ["plain", "dynamic", "dynamic_full", "dynamic_full_background", "buckets", "buckets_auto", "fixed_length"]
 FIXED_BUCKETS = [128, 256, 512, 1024]
 ROWS = {
     "equal": "every row of a batch of its length",
     "ragged": "rows after the first shorter, padded at the end (collator padding in every variant)",
 }
 COLUMNS = [
-    "variant", "total_s", "vs_plain_total", "vs_plain_total_at_most", "compile_s", "warmup_s",
+    "variant", "first_step_s", "total_s", "vs_plain_total", "vs_plain_total_at_most", "compile_s", "warmup_s",
     "steady_real_tokens_per_s", "vs_fixed_length", "synced_steady_real_tokens_per_s", "steady_compiles", "graphs",
     "recompiles_after_warmup", "padding", "buckets",
 ]  # fmt: skip
@@ -127,7 +131,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     name, changes = variant_policy(variant)
     if name == "fixed_length":
         batches = packed(batches, args)
-    shaper, forward, policy, applied = None, model, None, None
+    shaper, forward, policy, applied, background = None, model, None, None, None
     if name in ("plain", "fixed_length"):
         forward = torch.compile(model, backend=args.backend)
     else:
@@ -148,6 +152,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         applied = apply_policy(holder, policy, device=device)
         shaper = BatchShaper(policy.shapes)
         RegionShapeInterceptors(applied, shaper)
+        if policy.background:  # as CompileCallback does: eager steps until the thread's compile is installed
+            background = BackgroundCompile(applied)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def begin_step() -> None:
@@ -195,6 +201,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
                 sample = shaper.length_of(batch)
                 warmup.length, warmup.batch_size = sample.length, sample.rows
         positions += batch["input_ids"].numel()
+        eager = background is not None and not background.installed and not background.poll()
         before, step_started = compiles(), time.perf_counter()
         train_step(batch)
         synchronize(device)
@@ -204,10 +211,12 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         # CUDA graph trees run a new shape once to warm up and record it at its second run
         recording = cuda_graphs and occurrences[length] < 2
         occurrences[length] += 1
-        if compiles() == before and not recording:
+        if compiles() == before and not recording and not eager:
             steady_tokens += int(batch["attention_mask"].sum())
             steady_s += seconds
     total = time.perf_counter() - started
+    if background is not None:
+        background.close()
     again = [b for b, (length, *_) in zip(batches, step_ms) if not cuda_graphs or occurrences[length] >= 2]
     before = compiles()
     steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
@@ -227,7 +236,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     recompiles = [m for m in metrics if is_recompile(m)]
     return {
         "variant": variant,
+        "first_step_s": step_ms[0][2] / 1e3,
         "total_s": total,
+        "background": background.summary() if background is not None else None,
         "compile_s": telemetry.compile_time_s,
         "warmup_s": warmup_s,
         "steady_real_tokens_per_s": steady_tokens_per_s,

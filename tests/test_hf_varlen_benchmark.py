@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
     out = tmp_path / "hf_varlen.json"
-    variants = ["dynamic", "dynamic_full", "buckets_auto", "fixed_length"]
+    variants = ["dynamic", "dynamic_full", "dynamic_full_background", "buckets_auto", "fixed_length"]
     command = [sys.executable, "benchmarks/hf_varlen.py", "--smoke", "--out", str(out), "--variants", *variants]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -27,3 +27,6 @@ def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
     full = rows["dynamic_full"]  # one graph, lengths padded to multiples of 64 (the smoke stream's longest is 64)
     assert full["graphs"] == 1 and full["recompiles_after_warmup"] == 0 and full["steady_compiles"] == 0
     assert full["padding"] > 0 and full["steady_steps"] > 0
+    background = rows["dynamic_full_background"]  # eager first steps while a thread compiles, then the same graph
+    assert background["background"]["background_eager_steps"] >= 1 and background["graphs"] == 1
+    assert background["steady_compiles"] == 0 and background["first_step_s"] > 0
