@@ -170,7 +170,6 @@ def test_graphs_are_split_at_ddp_buckets_only_when_the_policy_asks(trained):
     single_split, ddp_split = trained["buckets_split"]
     assert single_split["backend_compiles"] == single["backend_compiles"], "one process has no DDP to split for"
     assert ddp_split["backend_compiles"] > 2 * single["backend_compiles"]
-    assert torch._dynamo.config.optimize_ddp is True, "this process's setting, untouched"
 
 
 def assert_ranks_switched_to_compiled_at_different_steps(out: Path, ddp: dict) -> None:
