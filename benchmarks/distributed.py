@@ -31,7 +31,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -198,23 +198,13 @@ def worker(args: argparse.Namespace) -> None:
     )  # fmt: skip
     trainer.fit(module)
     summary = callback.summary()
-    medians = gather_floats(summary.get("steady_step_time_median_s"))
     if trainer.global_rank == 0:
-        args.worker_out.write_text(json.dumps(result_row(args, summary, medians)))
+        args.worker_out.write_text(json.dumps(result_row(args, summary)))
     if torch.distributed.is_initialized():
         # Every rank leaves the group before exiting: left to interpreter teardown, gloo's threads have aborted
         # a rank ("terminate called without an active exception", once in a CI rehearsal).
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-
-
-def gather_floats(value: Optional[float]) -> List[Optional[float]]:
-    """``value`` of every rank, by rank (a collective; ``[value]`` on one process)."""
-    if not torch.distributed.is_initialized():
-        return [value]
-    gathered: List[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, value)
-    return gathered
 
 
 def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
@@ -252,19 +242,21 @@ def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
     return ProfiledSteps()
 
 
-def result_row(args: argparse.Namespace, summary: Dict[str, Any], medians: List[Optional[float]]) -> Dict[str, Any]:
+def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, Any]:
     """Rank 0's row: throughput over all ranks (from the slowest rank's median steady step, and from the mean),
     and each rank's median step, first step, recompiles, graphs and peak memory."""
     ranks = summary.get("ranks") or {
         key: [summary.get(single)]
         for key, single in (
             ("first_step_time_s_by_rank", "first_step_time_s"),
+            ("steady_step_time_median_s_by_rank", "steady_step_time_median_s"),
             ("recompiles_by_rank", "recompiles"),
             ("graphs_by_rank", "unique_graphs"),
             ("peak_memory_bytes_by_rank", "peak_memory_bytes"),
         )
     } | {"divergent_recompile_ranks": []}
     per_rank = summary.get("steady_samples_per_s")
+    medians = ranks.get("steady_step_time_median_s_by_rank") or [None]
     memory = ranks.get("peak_memory_bytes_by_rank") or []
     cache = None
     if args.cache_dir:

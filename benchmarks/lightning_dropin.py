@@ -183,7 +183,7 @@ def train_py(args: argparse.Namespace) -> Dict[str, Any]:
         "model": CACHE_MODEL[args.smoke],
         "variant": f"{policy} {phase}",
         "first_step_s": summary.get("first_step_time_s"),
-        "step_ms": (summary.get("steady_step_time_median_s") or 0) * 1e3 or None,
+        "step_ms": median * 1e3 if (median := summary.get("steady_step_time_median_s")) else None,
         "precompiled_served": summary.get("cache_precompiled_hits"),
         "traced": summary.get("cache_precompiled_misses"),
         "graphs": summary.get("unique_graphs"),

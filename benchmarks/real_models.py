@@ -210,13 +210,10 @@ def _vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str,
     """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI)."""
     import transformers
 
+    timm_vit_tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
     timm_name, timm_tiny, timm_extra = {
-        "vit": ("vit_base_patch16_224", dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2), {}),
-        "vit_drop_path": (
-            "vit_base_patch16_224",
-            dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2),
-            dict(drop_path_rate=0.1),
-        ),
+        "vit": ("vit_base_patch16_224", timm_vit_tiny, {}),
+        "vit_drop_path": ("vit_base_patch16_224", timm_vit_tiny, dict(drop_path_rate=0.1)),
         "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), {}),
         "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), {}),
     }[name]

@@ -34,6 +34,7 @@ def test_distributed_benchmark_smoke_runs_ddp_fsdp2_and_the_cache_on_1_and_2_pro
         assert row["error"] is None, (key, row["error"])
         assert row["samples_per_s"] > 0 and all(s > 0 for s in row["first_step_s_by_rank"])
         assert len(row["first_step_s_by_rank"]) == len(row["recompiles_by_rank"]) == gpus
+        assert len(row["step_ms_median_by_rank"]) == gpus and all(m > 0 for m in row["step_ms_median_by_rank"])
         assert row["divergent_ranks"] == [] and row["scaling_vs_1"] > 0 and row["first_step_vs_1"] > 0
     assert rows["scaling", "-", 1]["scaling_vs_1"] == 1.0
     cold, warm = rows["scaling", "ddp", 2]["cache"], rows["cache", "ddp", 2]["cache"]

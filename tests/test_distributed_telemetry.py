@@ -68,7 +68,9 @@ def test_rank_report_names_divergent_ranks():
         {"compile_time_s": 3.0, "recompiles": 2, "first_step_time_s": 0.7, "unique_graphs": 4},
         {"compile_time_s": 2.0, "recompiles": 5, "first_step_time_s": 0.6, "unique_graphs": 7},
     ]
+    summaries = [s | {"steady_step_time_median_s": m} for s, m in zip(summaries, (0.02, 0.03, 0.025))]
     report = rank_report(summaries)
+    assert report["steady_step_time_median_s_by_rank"] == [0.02, 0.03, 0.025]
     assert (report["compile_time_s_min"], report["compile_time_s_max"]) == (1.0, 3.0)
     assert report["recompiles_by_rank"] == [2, 2, 5] and report["divergent_recompile_ranks"] == [2]
     assert "rank 2 (5)" in describe_rank_report(report)

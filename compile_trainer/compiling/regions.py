@@ -373,8 +373,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         setattr(root, APPLIED_ATTR, applied)
         return applied
     planned, noted = [], {}  # note -> the regions it applies to
+    sizes_vary = bool(policy.shapes.dynamic) or policy.distributed.consistent_dynamic_shapes
     for region in plan.regions:  # every check before anything is compiled
-        sizes_vary = bool(policy.shapes.dynamic) or policy.distributed.consistent_dynamic_shapes
         region.settings = settings_for_varying_sizes(region.settings, sizes_vary)
         kwargs, notes = compile_kwargs(region.settings, device)
         for note in notes:

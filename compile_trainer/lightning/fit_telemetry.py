@@ -279,7 +279,11 @@ class FitTelemetry:
             f"  steps {summary['steps']} ({summary['compile_steps']} with compiles"
             + (f" or CUDA-graph recordings ({recorded})" if recorded else "")
             + f", {show('compile_steps_time_s', unit=' s')} in them; "
-            + (f"{summary['warmup_steps']} warm-up (FLOPs counted, cache loaded); " if summary["warmup_steps"] else "")
+            + (
+                f"{summary['warmup_steps']} warm-up (FLOPs counted or cache loaded); "
+                if summary["warmup_steps"]
+                else ""
+            )
             + f"first step {show('first_step_time_s', unit=' s')})",
             f"  steady step {show('steady_step_time_s', 1e-3, ' ms')} "
             f"(median {show('steady_step_time_median_s', 1e-3, ' ms')}), {show('steady_steps_per_s')} steps/s, "

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 RANK_KEYS = (
     "compile_time_s", "compiles", "recompiles", "graph_breaks", "unique_graphs", "first_step_time_s",
-    "peak_memory_bytes",
+    "steady_step_time_median_s", "peak_memory_bytes",
 )  # fmt: skip
 
 
@@ -38,8 +38,8 @@ def divergent_ranks(values: Sequence[Any]) -> List[int]:
 
 
 def rank_report(summaries: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Headline numbers across ranks: min/max compile time and first step; first step, recompiles, graphs and peak
-    memory by rank; the ranks whose recompiles diverge."""
+    """Headline numbers across ranks: min/max compile time and first step; first step, median steady step,
+    recompiles, graphs and peak memory by rank; the ranks whose recompiles diverge."""
     report: Dict[str, Any] = {"ranks": len(summaries)}
     for key in ("compile_time_s", "first_step_time_s"):
         values = [s.get(key) for s in summaries if s.get(key) is not None]
@@ -49,6 +49,7 @@ def rank_report(summaries: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     report["recompiles_by_rank"] = recompiles
     report["graphs_by_rank"] = [s.get("unique_graphs") or 0 for s in summaries]
     report["first_step_time_s_by_rank"] = [s.get("first_step_time_s") for s in summaries]
+    report["steady_step_time_median_s_by_rank"] = [s.get("steady_step_time_median_s") for s in summaries]
     report["peak_memory_bytes_by_rank"] = [s.get("peak_memory_bytes") for s in summaries]
     report["divergent_recompile_ranks"] = divergent_ranks(recompiles)
     return report
