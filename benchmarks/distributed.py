@@ -261,7 +261,10 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
     cache = None
     if args.cache_dir:
         cache = {key: summary.get(f"cache_{key}") for key in ("status", "precompiled_hits", "precompiled_misses")}
-        cache |= {key: summary.get(f"cache_{key}") for key in ("precompiled_captures", "precompiled_skipped")}
+        cache |= {
+            key: summary.get(f"cache_{key}")
+            for key in ("precompiled_captures", "precompiled_load_s", "precompiled_skipped")
+        }
     return {
         "model": args.model,
         "experiment": args.experiment + ("+collectives" if args.collectives else ""),
