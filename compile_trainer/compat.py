@@ -340,14 +340,23 @@ class FlopTally:
 
         self.counting = counting
         self.real_only = real_only
-        self.flop_registry = dict(flop_registry)  # read by _FlopCounterMode
+        self.flop_registry = dict(flop_registry) | grouped_query_attention_formulas(
+            flop_registry
+        )  # read by _FlopCounterMode
         self.flop_counts: Dict[str, Dict[Any, int]] = defaultdict(lambda: defaultdict(int))
+        self.error: Optional[BaseException] = None  # a formula that failed: the count stopped there
 
     def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
-        """Called by _FlopCounterMode for every op it ran (its higher-order ops copy and restore ``flop_counts``)."""
+        """Called by _FlopCounterMode for every op it ran (its higher-order ops copy and restore ``flop_counts``).
+        A formula that fails stops the count instead of the user's step (``error``)."""
         formula = self.flop_registry.get(func_packet)
-        if formula is not None and self.counting() and not (self.real_only and _any_fake(args)):
-            self.flop_counts[FLOP_TOTAL_KEY][func_packet] += formula(*args, **kwargs, out_val=out)
+        if formula is None or self.error is not None or not self.counting():
+            return out
+        if not (self.real_only and _any_fake(args)):
+            try:
+                self.flop_counts[FLOP_TOTAL_KEY][func_packet] += formula(*args, **kwargs, out_val=out)
+            except Exception as error:
+                self.error = RuntimeError(f"FLOPs of {func_packet} not counted: {type(error).__name__}: {error}")
         return out
 
     def add(self, flops: int, what: str) -> None:
@@ -377,6 +386,50 @@ class FlopTally:
                 return self.counter._count_flops(func._overloadpacket, func(*args, **kwargs), args, kwargs)
 
         return _IgnoredByCompile(self)
+
+
+# Attention ops with the heads of query, key and value at these places: (index of the query among the op's
+# arguments, dimension of the heads); key and value follow the query.
+_ATTENTION_HEADS = {
+    "_scaled_dot_product_efficient_attention": (0, 1),
+    "_scaled_dot_product_flash_attention": (0, 1),
+    "_scaled_dot_product_cudnn_attention": (0, 1),
+    "_scaled_dot_product_efficient_attention_backward": (1, 1),
+    "_scaled_dot_product_flash_attention_backward": (1, 1),
+    "_scaled_dot_product_cudnn_attention_backward": (1, 1),
+    "_flash_attention_forward": (0, 2),
+    "_efficient_attention_forward": (0, 2),
+    "_flash_attention_backward": (1, 2),
+    "_efficient_attention_backward": (1, 2),
+}
+
+
+def grouped_query_attention_formulas(registry: Dict[Any, Callable[..., int]]) -> Dict[Any, Callable[..., int]]:
+    """``registry``'s attention formulas for keys and values with fewer heads than the query (grouped-query
+    attention: Llama's, Qwen's), counted as if repeated to the query's heads, which is what the kernels compute.
+    torch's own formulas assert equal heads before 2.13 (seen on 2.11's CUDA kernels); from 2.13 the count is
+    theirs."""
+
+    def repeated_heads(original: Callable[..., int], query_at: int, heads: int) -> Callable[..., int]:
+        def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            args_list = list(args)
+            query = args_list[query_at]
+            for index in (query_at + 1, query_at + 2):  # key, value
+                tensor = args_list[index]
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[heads] != query.shape[heads]:
+                    shape = list(tensor.shape)
+                    shape[heads] = query.shape[heads]
+                    args_list[index] = torch.empty(shape, device="meta")  # the formulas read only its shape
+            return original(*args_list, out_val=out_val, **kwargs)
+
+        return formula
+
+    formulas = {}
+    for name, (query_at, heads) in _ATTENTION_HEADS.items():
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None and op in registry:
+            formulas[op] = repeated_heads(registry[op], query_at, heads)
+    return formulas
 
 
 def _any_fake(args: tuple) -> bool:
@@ -1078,6 +1131,12 @@ def _probe_flop_tally() -> None:
         product = fake.from_tensor(torch.ones(2, 3)) @ torch.ones(3, 4)  # a real tensor is taken in
     assert product.shape == (2, 4) and type(product).__name__ == "FakeTensor"
     assert flop_counting_problem() is None, flop_counting_problem()
+    from torch.utils.flop_counter import flop_registry
+
+    attention = torch.ops.aten._scaled_dot_product_efficient_attention  # grouped-query: 8 query heads, 2 KV heads
+    query, grouped = torch.empty(2, 8, 16, 32, device="meta"), torch.empty(2, 2, 16, 32, device="meta")
+    formula = grouped_query_attention_formulas(flop_registry)[attention]
+    assert formula(query, grouped, grouped, None, False, out_val=None) == formula(query, query, query, None, False) > 0
     graph = torch.fx.symbolic_trace(lambda a, b: (a @ b).relu())
     assert torch.equal(run_graph_inlining_subgraphs(graph, x, weight.detach()), block(x, weight.detach()))
 

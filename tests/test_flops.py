@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from torch.utils.flop_counter import FlopCounterMode
 
 from compile_trainer import CompileCallback, compat
+from compile_trainer.telemetry.flops import StepFlopCount
 from compile_trainer.telemetry.throughput import device_peak_flops, table_peak_flops
 from tests.conftest import quiet_cpu_trainer
 
@@ -261,3 +262,22 @@ def test_peak_flops_table(device_name, dtype, tf32, tflops):
 def test_a_given_peak_always_wins():
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16, 123.5) == 123.5e12
     assert device_peak_flops(torch.device("cpu"), torch.bfloat16, None) is None, "no peak for the CPU"
+
+
+def test_a_formula_that_fails_stops_the_count_not_the_step():
+    """An op whose FLOPs formula raises (torch < 2.13's attention formulas on grouped-query shapes did, inside a
+    user's training step) leaves the step's result as it is; the count reports the failure instead of a number."""
+    count = StepFlopCount()
+    count.tally.flop_registry[torch.ops.aten.mm.default.overloadpacket] = _formula_that_fails
+    x, weight = torch.randn(4, 3), torch.randn(3, 5, requires_grad=True)
+    count.start()
+    product = (x @ weight).relu()
+    product.sum().backward()
+    with pytest.raises(RuntimeError, match="FLOPs of aten.mm not counted: AssertionError: shapes"):
+        count.finish()
+    torch.testing.assert_close(product, (x @ weight).relu())
+    torch.testing.assert_close(weight.grad, x.t() @ ((x @ weight) > 0).float())
+
+
+def _formula_that_fails(*args, out_val=None, **kwargs):
+    raise AssertionError("shapes")

@@ -83,7 +83,8 @@ def _compiled_nodes(outputs: Any, before: Set[Any]) -> List[Any]:
 class StepFlopCount:
     """Counts the FLOPs of what runs between ``start()`` and ``finish()`` on this thread (see the module's doc).
 
-    ``finish()`` returns the count, or raises what made it impossible (a graph that cannot run on fake tensors).
+    ``finish()`` returns the count, or raises what made it impossible (a graph that cannot run on fake tensors, a
+    formula that failed on an op of the step). Neither fails the step itself.
     """
 
     def __init__(self) -> None:
@@ -112,8 +113,9 @@ class StepFlopCount:
     def finish(self) -> int:
         """End the count (idempotent); the FLOPs counted."""
         self._end()
-        if self._error is not None:
-            raise self._error
+        error = self._error or self.tally.error
+        if error is not None:
+            raise error
         return self.tally.total
 
     def abort(self) -> None:
