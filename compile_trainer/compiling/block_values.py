@@ -9,13 +9,15 @@
   checkpointing; calls that pass a cache (evaluation, generation: unchanged) run an entry of the block's own
   (``passes_kv_cache``), one graph per block.
 
-Where the compiler specializes such a value anyway (timm's ``drop_path`` hands its float to ``bernoulli_``, an
-attention's scale goes to ``scaled_dot_product_attention``, GPT-2 of transformers 4.x divides by
-``layer_idx + 1``: Dynamo bakes an int attribute of a module into the graph), the graph guards on it.
-``trial_trace`` finds that before training (one symbolic trace of one block, run by no compiler), so that the
-plan gives each value an entry of its own before it is printed. Where no trial could be made (a block that
-takes more than one tensor), the first compile shows it: ``SharedValues`` then moves the other blocks to entries
-per value before they run, so the shared entry never recompiles; the plan's notes say so.
+Stochastic depth (timm's ``DropPath``, transformers' ``*DropPath``, torchvision's ``StochasticDepth``) runs, while
+compiled, a forward that reads its probability from a tensor (``share_stochastic_depth``): timm's own hands the
+float to ``bernoulli_``, and torch before 2.13 specializes any float attribute of a module. Where the compiler
+specializes such a value anyway (an attention's scale goes to ``scaled_dot_product_attention``, GPT-2 of
+transformers 4.x divides by ``layer_idx + 1``: Dynamo bakes an int attribute of a module into the graph), the
+graph guards on it. ``trial_trace`` finds that before training (one symbolic trace of one block, run by no
+compiler), so that the plan gives each value an entry of its own before it is printed. Where no trial could be
+made (a block that takes more than one tensor), the first compile shows it: ``SharedValues`` then moves the
+other blocks to entries per value before they run, so the shared entry never recompiles; the plan's notes say so.
 """
 
 from __future__ import annotations
@@ -63,6 +65,60 @@ def train_without_cache(module: nn.Module) -> torch.utils.hooks.RemovableHandle:
         return args, {**kwargs, "use_cache": False}
 
     return module.register_forward_pre_hook(without_cache, with_kwargs=True)
+
+
+# Stochastic depth, whose probability the compiler specializes (timm's ``drop_path`` hands it to ``bernoulli_``;
+# before torch 2.13 any float attribute of a module): class name -> the attribute holding the probability.
+STOCHASTIC_DEPTH = {"DropPath": "drop_prob", "StochasticDepth": "p"}
+
+
+def _stochastic_depth(module: nn.Module) -> Optional[str]:
+    """The probability's attribute of timm's ``DropPath``, transformers' ``*DropPath`` and torchvision's
+    ``StochasticDepth``; None for any other module."""
+    name = type(module).__name__
+    attribute = STOCHASTIC_DEPTH.get(name) or (STOCHASTIC_DEPTH["DropPath"] if name.endswith("DropPath") else None)
+    return attribute if attribute is not None and hasattr(module, attribute) else None
+
+
+KEEP_BUFFER = "_compile_trainer_keep_probability"  # non-persistent: state_dict keys are unchanged
+
+
+def _stochastic_depth_compiled(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A stochastic-depth module's forward while compiled: each sample (or, in torchvision's ``batch`` mode, the
+    whole batch) kept with probability ``keep = 1 - p`` and scaled by ``1 / keep``, as the module's own forward
+    does, with ``keep`` read from a tensor buffer: a graph input, so blocks of different ``p`` share one graph
+    (Dynamo specializes a float attribute of a module before torch 2.13, however primed). One function for
+    every module (Dynamo guards on the function). Outside a compile, the module's own forward runs."""
+    if not torch.compiler.is_compiling():
+        return type(self).forward(self, x)
+    if not self.training:
+        return x
+    keep = getattr(self, KEEP_BUFFER)
+    shape = (1,) * x.dim() if getattr(self, "mode", "row") == "batch" else (x.shape[0],) + (1,) * (x.dim() - 1)
+    kept = (keep + torch.rand(shape, dtype=keep.dtype, device=x.device)).floor()
+    return x * (kept / keep if getattr(self, "scale_by_keep", True) else kept).to(x.dtype)
+
+
+def share_stochastic_depth(block: nn.Module, floats: Sequence[str]) -> Callable[[], None]:
+    """Make the stochastic-depth modules of ``block`` that own one of ``floats`` take their probability from a
+    tensor when compiled (``_stochastic_depth_compiled``; eager calls unchanged). Returns the undo."""
+    device = next((p.device for p in block.parameters()), None)
+    owners = []
+    for path in floats:
+        owner_path, _, attribute = path.rpartition(".")
+        owner = block.get_submodule(owner_path) if owner_path else block
+        if _stochastic_depth(owner) != attribute or "forward" in vars(owner) or not 0 <= getattr(owner, attribute) < 1:
+            continue
+        owner.register_buffer(KEEP_BUFFER, torch.tensor(1.0 - getattr(owner, attribute), device=device), False)
+        owner.forward = types.MethodType(_stochastic_depth_compiled, owner)
+        owners.append(owner)
+
+    def undo() -> None:
+        for owner in owners:
+            vars(owner).pop("forward", None)
+            owner._buffers.pop(KEEP_BUFFER, None)
+
+    return undo
 
 
 class SharedValues:
@@ -198,12 +254,14 @@ def trial_trace(
     )
     modes = [(module, module.training) for module in block.modules()]
     block.train()
+    undo = share_stochastic_depth(block, floats)
     try:
         with torch.enable_grad(), contextlib.suppress(_Traced):
             compiled(example)
     except Exception as error:  # a block that needs more than one tensor (a mask, position embeddings)
         return {}, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     finally:
+        undo()
         for module, training in modes:
             module.training = training
     return found, None

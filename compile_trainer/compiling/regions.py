@@ -32,6 +32,7 @@ from compile_trainer.compiling.block_values import (
     SharedValues,
     block_values,
     passes_kv_cache,
+    share_stochastic_depth,
     train_without_cache,
     trial_trace,
 )
@@ -415,6 +416,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
                 shared_values[item.entry_key] = values
                 values.prime(entry.__code__)
             item.guard_filter = values.guard_filter
+            applied.process_settings.callback(share_stochastic_depth(region.module, region.shared_floats))
         compat.install_compiled_call(
             region.module,
             RegionCall(

@@ -285,7 +285,8 @@ def _notes(cls, names, blocks, groups: BlockGroups, index_of) -> List[str]:
         count = sum(groups.keys[name] == key for name in names)
         notes.append(
             f"{count} {cls.__name__} blocks differ only in the floats {', '.join(groups.shared_floats[key])}: one "
-            "graph, each block's values passed to it as inputs (symbolic floats)"
+            "graph, each block's values passed to it as inputs (stochastic-depth probabilities as tensors, other "
+            "floats as symbolic floats)"
         )
     difference = _difference([blocks[name] for name in names], indices)
     if len(keys) > 1 and difference:
