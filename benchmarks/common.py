@@ -10,6 +10,7 @@ result file into ``docs/BENCHMARKS.md``. Importable without hydra, omegaconf or 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import faulthandler
 import importlib.metadata
@@ -30,7 +31,35 @@ import torch
 from compile_trainer.tables import text_table
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 LIBRARIES = ("lightning", "transformers", "timm", "accelerate")  # versions read from metadata, not imported
+
+
+def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU") -> Any:
+    """A benchmark's parser with the flags every script has: ``--out`` (default ``benchmarks/results/<name>.json``,
+    the headline), ``--smoke`` and the hidden ``--worker-out`` that ``run_fresh`` gives its worker."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json" if name else None, required=not name)
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def hidden(parser: Any, *flags: str, **options: Any) -> None:
+    """Flags only the harness passes (a worker's variant, phase or model)."""
+    for flag in flags:
+        parser.add_argument(flag, help=argparse.SUPPRESS, **options)
+
+
+def device_for(smoke: bool) -> torch.device:
+    """The GPU where there is one, except in a smoke run."""
+    return torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+
+
+def rel_diff(values: Sequence[float], reference: Sequence[float]) -> Optional[float]:
+    """The largest relative difference of ``values`` from ``reference`` (losses against eager's), pairwise."""
+    pairs = list(zip(values, reference))
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs) if pairs else None
 
 
 def is_recompile(metric: Any) -> bool:
@@ -379,6 +408,13 @@ def run_fresh(
                 file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
     result["process_s"] = time.perf_counter() - started
     return result
+
+
+def fresh_row(script: str, args: List[str], timeout: float, row: Optional[Dict[str, Any]] = None, **options) -> Dict:
+    """``run_fresh`` for one row: the worker's result, or on a failure ``row`` with the ``error``."""
+    result = run_fresh(script, args, timeout, **options)
+    result.pop("process_s")
+    return dict(row or {}, error=result["error"]) if result.get("error") else result
 
 
 def _text(output: Any) -> str:
