@@ -1,27 +1,16 @@
 """Compile policies under DDP and FSDP2 on several GPUs: 1 vs N GPUs, ``regional`` vs ``full``, GPT-2 small (the
-recipe) and an HF Llama (16 layers, d 1024); global throughput (samples/s of all ranks), each rank's first step,
-recompiles and peak memory by rank, the ranks whose recompiles diverge. Two experiments beside the scaling rows:
-
-- ``collectives``: ranks whose first batches differ in length (rank r's lengths are its own), under ``regional``
-  with and without ``distributed.consistent_dynamic_shapes`` (Dynamo's compiler collectives), where torch's docs say
-  they help: at the first compile the ranks agree that the length is dynamic, instead of each specializing on its
-  own first length and recompiling at its next.
-- ``cache``: the DDP ``regional`` row on N GPUs writes a compile-cache bundle (rank 0); a second run with empty
-  local caches (a new machine) records each rank's first step against that cold one.
-
-On a machine with N GPUs (each run a fresh Lightning job of N processes, with its own empty Inductor and Triton
-caches):
+recipe) and an HF Llama (16 layers, d 1024); global samples/s, each rank's first step, recompiles and peak memory,
+the ranks whose recompiles diverge (docs/distributed.md). Weak scaling: each rank trains ``--batch`` samples a step;
+the one-GPU row of a (model, policy) is one run shared by both strategies. ``--experiments`` adds ``collectives``
+(ranks of different first lengths, ``distributed.consistent_dynamic_shapes`` off and on), ``cache`` (the DDP
+``regional`` row writes a bundle; a run with empty local caches loads it) and ``ddp-options``. On N GPUs, each run
+a fresh Lightning job of N processes with empty Inductor/Triton caches:
 
     python benchmarks/distributed.py --models gpt2 --out benchmarks/results/distributed_gpt2.json
 
-CPU smoke run (2 gloo processes, tiny models, backend aot_eager; no collectives experiment: torch refuses compiler
-collectives on a gloo group), as the tests run it:
+CPU smoke run (2 gloo processes, tiny models, aot_eager; no collectives: gloo refuses compiler collectives):
 
     python benchmarks/distributed.py --smoke --out /tmp/distributed.json
-
-Weak scaling: each rank trains ``--batch`` samples a step, so N GPUs see N times the samples of one. The one-GPU
-row of a (model, policy) is one run, shared by both strategies (on one device neither wraps the model).
-Importable without hydra and wandb (the GPU image has neither).
 """
 
 from __future__ import annotations
@@ -33,12 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, quiet_trainer, run_fresh, write_result  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 COLUMNS = [
     "model", "experiment", "strategy", "policy", "options", "gpus", "samples_per_s", "scaling_vs_1",
@@ -192,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy = (
             ddp_strategy(args) if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
         )
-    trainer = quiet_trainer(
+    trainer = common.quiet_trainer(
         torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy, max_steps=args.steps,
         callbacks=callbacks, precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
     )  # fmt: skip
@@ -294,14 +282,11 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     for key, value in run.items():
         if value not in (None, False):
             command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    result = run_fresh(__file__, command, args.timeout, caches=Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder)))
-    result.pop("process_s")
-    if result.get("error"):
-        keys = ("model", "experiment", "policy", "options", "gpus")
-        row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
-        row["experiment"] += "+collectives" if run["collectives"] else ""
-        return row | {"error": result["error"]}
-    return result
+    row = {key: run[key] for key in ("model", "experiment", "policy", "options", "gpus")}
+    row |= {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
+    row["experiment"] += "+collectives" if run["collectives"] else ""
+    caches = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder))
+    return common.fresh_row(__file__, command, args.timeout, row, caches=caches)
 
 
 def compare_to_one(rows: List[Dict[str, Any]]) -> None:
@@ -352,9 +337,7 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed.json")
-    parser.add_argument("--smoke", action="store_true", help="CPU, 2 gloo processes, tiny models, aot_eager")
+    parser = common.arguments(__doc__, "distributed", "CPU, 2 gloo processes, tiny models, aot_eager")
     parser.add_argument("--models", default="gpt2,llama", help="gpt2 (the recipe's GPT-2 small), llama (HF)")
     parser.add_argument("--experiments", default="scaling,collectives,cache")
     parser.add_argument("--strategies", default="ddp,fsdp2")
@@ -363,12 +346,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="samples per rank a step (8; 2 with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-dir", help="profile 3 steps near the end of each run (torch.profiler) into it")
-    for hidden in ("model", "experiment", "strategy", "policy", "cache-dir", "options"):
-        parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
-    parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    common.hidden(parser, "--model", "--experiment", "--strategy", "--policy", "--cache-dir", "--options")
+    common.hidden(parser, "--worker", "--collectives", action="store_true")
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.smoke else 8)
     args.steps = args.steps or (4 if args.smoke else 30)
@@ -397,8 +377,8 @@ def main() -> None:
         "collectives: each rank's lengths cycle through 512/768/1024 from a different start; "
         "+collectives turns on distributed.consistent_dynamic_shapes.",
     ]
-    write_result(Path(args.out), "distributed", "Compile policies under DDP and FSDP2", COLUMNS, rows, notes)
-    print_table(COLUMNS, rows, baseline="one device of the same model and policy (*_vs_1; cache: the cold row)")
+    common.write_result(args.out, "distributed", "Compile policies under DDP and FSDP2", COLUMNS, rows, notes)
+    common.print_table(COLUMNS, rows, baseline="one device of the same model and policy (*_vs_1; cache: the cold row)")
 
 
 if __name__ == "__main__":
