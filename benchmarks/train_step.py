@@ -53,6 +53,15 @@ class Variant:
 NO_CUDA_GRAPHS = (("mode", None),)
 CLIP_TRAINER = (("gradient_clip_val", 1.0),)
 CPP_WRAPPER = (("options", {"cpp_wrapper": True}),)
+COMPILED, INDUCTOR = (("optimizer", {"compile": "true"}),), (("optimizer", {"compile": "true", "kernel": "inductor"}),)
+AUTO = (("optimizer", {"compile": "auto"}),)
+
+
+def regional(how: str, overrides: Tuple[Tuple[str, Any], ...] = (), **options: Any) -> Variant:
+    """A Lightning variant under the ``regional`` policy; ``how`` says what else it changes."""
+    return Variant("lightning", f"policy regional, {how}", "regional", overrides, **options)
+
+
 VARIANTS = {
     "eager": Variant("raw", "none"),
     "torch_compile": Variant("raw", "torch.compile(model)"),
@@ -80,57 +89,33 @@ VARIANTS = {
     "lightning_regional_background": Variant("lightning", "policy regional_background", "regional_background"),
     # Lightning refuses gradient_clip_val with a fused AdamW under mixed precision ("performs unscaling of
     # gradients internally"; H100, lightning 2.6, 2026-11-23): a Lightning user who clips gets foreach.
-    "lightning_regional_clip_foreach": Variant(
-        "lightning",
-        "policy regional, foreach AdamW, gradient_clip_val=1.0",
-        "regional",
-        module=(("fused", False),),
-        trainer=CLIP_TRAINER,
+    "lightning_regional_clip_foreach": regional(
+        "foreach AdamW, gradient_clip_val=1.0", module=(("fused", False),), trainer=CLIP_TRAINER
     ),
-    "lightning_regional_clip_compiled_optimizer": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (Triton on CUDA; clipping inside), gradient_clip_val=1.0",
-        "regional",
-        (("optimizer", {"compile": "true"}),),
+    "lightning_regional_clip_compiled_optimizer": regional(
+        "compiled optimizer step (Triton on CUDA; clipping inside), gradient_clip_val=1.0",
+        COMPILED,
         trainer=CLIP_TRAINER,
     ),
     # What a Lightning user who wants fused AdamW and clipping writes instead: clip_grad_norm_ before the step.
-    "lightning_regional_clip_fused_before_step": Variant(
-        "lightning", "policy regional, fused AdamW, clip_grad_norm_(1.0) before the step", "regional", step="clip"
+    "lightning_regional_clip_fused_before_step": regional(
+        "fused AdamW, clip_grad_norm_(1.0) before the step", step="clip"
     ),
-    "lightning_regional_compiled_optimizer": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (kernel auto: Triton on CUDA)",
-        "regional",
-        (("optimizer", {"compile": "true"}),),
+    "lightning_regional_compiled_optimizer": regional(
+        "compiled optimizer step (kernel auto: Triton on CUDA)", COMPILED
     ),
-    "lightning_regional_compiled_optimizer_inductor": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (Inductor over flat gradient buffers)",
-        "regional",
-        (("optimizer", {"compile": "true", "kernel": "inductor"}),),
+    "lightning_regional_compiled_optimizer_inductor": regional(
+        "compiled optimizer step (Inductor over flat gradient buffers)", INDUCTOR
     ),
-    "lightning_regional_clip_compiled_optimizer_inductor": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (Inductor, clipping inside), gradient_clip_val=1.0",
-        "regional",
-        (("optimizer", {"compile": "true", "kernel": "inductor"}),),
-        trainer=CLIP_TRAINER,
+    "lightning_regional_clip_compiled_optimizer_inductor": regional(
+        "compiled optimizer step (Inductor, clipping inside), gradient_clip_val=1.0", INDUCTOR, trainer=CLIP_TRAINER
     ),
-    "lightning_regional_auto_optimizer": Variant(
-        "lightning", "policy regional, optimizer compile: auto", "regional", (("optimizer", {"compile": "auto"}),)
-    ),
-    "lightning_regional_clip_auto_optimizer": Variant(
-        "lightning",
-        "policy regional, optimizer compile: auto (clipping inside), gradient_clip_val=1.0",
-        "regional",
-        (("optimizer", {"compile": "auto"}),),
-        trainer=CLIP_TRAINER,
+    "lightning_regional_auto_optimizer": regional("optimizer compile: auto", AUTO),
+    "lightning_regional_clip_auto_optimizer": regional(
+        "optimizer compile: auto (clipping inside), gradient_clip_val=1.0", AUTO, trainer=CLIP_TRAINER
     ),
     # Forward and backward with no update: subtracted from the rows above, it leaves what the optimizer costs.
-    "lightning_regional_backward_only": Variant(
-        "lightning", "policy regional, forward and backward only (no optimizer update)", "regional", step="none"
-    ),
+    "lightning_regional_backward_only": regional("forward and backward only (no optimizer update)", step="none"),
 }
 
 
