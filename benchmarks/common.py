@@ -1,8 +1,9 @@
 """The benchmarks' harness: fresh-process variants, the variant syntax, step timing, the result file and its table.
 
-A benchmark script holds its models, its variants and a function that measures one variant; this module runs
-each variant in a fresh process with empty compile caches (``run_fresh`` / ``worker``), times steps
-(``StepTimer``, ``timed``, ``repeated`` for medians and spread over repeats), writes the result file
+A benchmark script holds its models, its variants and a function that measures one variant; this module gives it
+its command line (``arguments``: ``--out``, ``--smoke``, the worker's hidden flags), runs each variant in a fresh
+process with empty compile caches (``run_fresh`` / ``fresh_row``, and ``worker`` in that process), times steps
+(``StepTimer``, ``time_steps``, ``timed``; ``repeated`` for medians and spread over repeats), writes the result file
 (``write_result``: ``{"benchmark", "title", "meta", "columns", "rows", "notes"}``, meta with the git commit) and
 prints it side by side (``print_table``, ratios from ``add_ratio``). ``benchmarks/make_report.py`` renders every
 result file into ``docs/BENCHMARKS.md``. Importable without hydra, omegaconf or wandb (the GPU image has none).
@@ -169,9 +170,6 @@ class StepTimer:
             return [start.elapsed_time(end) / 1e3 for start, end in self.pairs]
         return [end - start for start, end in self.pairs]
 
-    def median(self) -> float:
-        return statistics.median(self.seconds())
-
 
 def time_steps(
     device: torch.device,
@@ -259,15 +257,8 @@ def quiet_trainer(device: torch.device, **trainer_args: Any) -> Any:
     """A Lightning Trainer on one ``device`` without logger, checkpoints, progress bar, summary or validation."""
     import lightning.pytorch as pl
 
-    defaults = dict(
-        accelerator=device.type,
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    defaults = dict(accelerator=device.type, devices=1, logger=False, enable_checkpointing=False)
+    defaults |= dict(enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     return pl.Trainer(**(defaults | trainer_args))
 
 
@@ -290,14 +281,7 @@ def write_result(
     meta: Optional[Dict[str, Any]] = None,
 ) -> None:
     """The result file ``make_report.py`` renders; ``meta`` defaults to this process's ``environment()``."""
-    result = {
-        "benchmark": benchmark,
-        "title": title,
-        "meta": meta or environment(),
-        "columns": columns,
-        "rows": rows,
-        "notes": notes,
-    }
+    result = dict(benchmark=benchmark, title=title, meta=meta or environment(), columns=columns, rows=rows, notes=notes)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
 

@@ -69,16 +69,8 @@ GATHERED_IN_BACKWARD = ("compile_trainer inductor + clip, gradients already in t
 # torch's single-tensor AdamW (+ clip_grad_norm_ over the same for-loop): the implementation the compiled update
 # follows op for op, and every variant's parity reference (fused is another rounding of the same update).
 EAGER = "eager for-loop"
-VARIANTS = (
-    EAGER,
-    EAGER + CLIPPED,
-    "foreach",
-    "fused",
-    "fused + clip",
-    "torch.compile(opt.step)",
-    "torch.compile(opt.step) + clip",
-    *POLICIES,
-)
+VARIANTS = (EAGER, EAGER + CLIPPED, "foreach", "fused", "fused + clip", "torch.compile(opt.step)")
+VARIANTS += ("torch.compile(opt.step) + clip", *POLICIES)
 GPU_ONLY = ("compile_trainer reduce-overhead + clip",)
 # The step as training sees it: gradients from a real backward (the same cheap graph for every road), timed as
 # backward + step; the backward alone is timed once, without optimizer hooks, and subtracted.
@@ -111,14 +103,10 @@ WITH_MORE = {IN_TRAINING: (BACKWARD_ALONE, "backward_step_ms"), END_TO_END_SUFFI
 COLUMNS = """variant step_ms backward_step_ms training_step_ms ratio ratio_total gb_per_s vs_fused host_ms
 gpu_kernel_ms kernels_per_step first_steps_s compile_s recompiles graph_breaks max_rel_diff_at_100 max_abs_diff
 tokens_per_s error""".split()
-COMPILE_PHASES = {  # CompilationMetrics fields (microseconds), reported in seconds
-    "dynamo": "dynamo_cumulative_compile_time_us",
-    "aot_autograd": "aot_autograd_cumulative_compile_time_us",
-    "inductor": "inductor_cumulative_compile_time_us",
-    "inductor_code_gen": "inductor_code_gen_cumulative_compile_time_us",
-    "triton_compile": "triton_compile_time_us",
-    "runtime_triton_autotune": "runtime_triton_autotune_time_us",
-}
+# CompilationMetrics fields (microseconds), reported in seconds
+COMPILE_PHASES = {phase: f"{phase}_cumulative_compile_time_us" for phase in ("dynamo", "aot_autograd", "inductor")}
+COMPILE_PHASES |= {"inductor_code_gen": "inductor_code_gen_cumulative_compile_time_us"}
+COMPILE_PHASES |= {name: f"{name}_time_us" for name in ("triton_compile", "runtime_triton_autotune")}
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:

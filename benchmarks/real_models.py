@@ -149,52 +149,38 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
             sizes = dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=256)
         # t5-base's config also sets the decoder's start token (transformers' T5Config has none by default)
         config = transformers.T5Config(**sizes, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-        return (
-            transformers.T5ForConditionalGeneration(config),
-            "transformers T5ForConditionalGeneration",
-            config.vocab_size,
-        )
-    classes = 10 if smoke else 1000
-    return _vision_model(name, smoke, classes)
+        model = transformers.T5ForConditionalGeneration(config)
+        return model, "transformers T5ForConditionalGeneration", config.vocab_size
+    return _vision_model(name, smoke, 10 if smoke else 1000)
 
 
 def _vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, int]:
-    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI)."""
+    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI): its
+    ``<prefix>Config`` defaults are ViT-B/16, ResNet-50 and ConvNeXt-T; its ViT has no stochastic depth, BEiT has."""
     import transformers
 
-    timm_vit_tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
-    timm_name, timm_tiny, timm_extra = {
-        "vit": ("vit_base_patch16_224", timm_vit_tiny, {}),
-        "vit_drop_path": ("vit_base_patch16_224", timm_vit_tiny, dict(drop_path_rate=0.1)),
-        "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), {}),
-        "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), {}),
+    vit = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+    hf_vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    hf_vit |= dict(intermediate_size=64)
+    hf_resnet = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2])
+    convnext = dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1])
+    # name: timm's model and its tiny sizes, transformers' prefix and its tiny sizes, what both add
+    timm_name, timm_tiny, prefix, tiny, extra = {
+        "vit": ("vit_base_patch16_224", vit, "ViT", hf_vit, {}),
+        "vit_drop_path": ("vit_base_patch16_224", vit, "Beit", hf_vit, dict(drop_path_rate=0.1)),
+        "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), "ResNet", hf_resnet, {}),
+        "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), "ConvNext", convnext, {}),
     }[name]
     if has_module("timm"):
         import timm
 
         tiny = timm_tiny if smoke else {}
-        net = timm.create_model(timm_name, pretrained=False, num_classes=classes, **tiny, **timm_extra)
-        return WithLoss(net), f"timm {timm_name}" + (" drop_path_rate=0.1" if timm_extra else ""), classes
-    vit_tiny = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
-    vit_tiny |= dict(intermediate_size=64)
-    if name == "vit":  # transformers' defaults are ViT-B/16 at 224
-        config = transformers.ViTConfig(**(vit_tiny if smoke else {}), num_labels=classes)
-        model, source = transformers.ViTForImageClassification(config), "transformers ViTForImageClassification"
-    elif name == "vit_drop_path":  # transformers' ViT has no stochastic depth; BEiT (ViT-B/16 by default) has
-        config = transformers.BeitConfig(**(vit_tiny if smoke else {}), drop_path_rate=0.1, num_labels=classes)
-        model, source = transformers.BeitForImageClassification(config), "transformers BeitForImageClassification"
-    elif name == "convnext_tiny":  # defaults: ConvNeXt-T
-        tiny = dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1]) if smoke else {}
-        config = transformers.ConvNextConfig(**tiny, num_labels=classes)
-        model, source = (
-            transformers.ConvNextForImageClassification(config),
-            "transformers ConvNextForImageClassification",
-        )
-    else:
-        tiny = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2]) if smoke else {}  # defaults: ResNet-50
-        config = transformers.ResNetConfig(**tiny, layer_type="bottleneck", num_labels=classes)
-        model, source = transformers.ResNetForImageClassification(config), "transformers ResNetForImageClassification"
-    return WithLoss(model), source, classes
+        net = timm.create_model(timm_name, pretrained=False, num_classes=classes, **tiny, **extra)
+        return WithLoss(net), f"timm {timm_name}" + (" drop_path_rate=0.1" if extra else ""), classes
+    extra |= dict(layer_type="bottleneck") if prefix == "ResNet" else {}
+    config = getattr(transformers, f"{prefix}Config")(**(tiny if smoke else {}), **extra, num_labels=classes)
+    model = getattr(transformers, f"{prefix}ForImageClassification")(config)
+    return WithLoss(model), f"transformers {prefix}ForImageClassification", classes
 
 
 def make_batches(name: str, smoke: bool, size: int, count: int, device: torch.device) -> Tuple[List[Any], int]:

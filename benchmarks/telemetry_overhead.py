@@ -134,20 +134,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def print_table(result: Dict[str, Any]) -> None:
-    rows = [
-        ("device", result["device"]),
-        ("model / backend", f"{result['model']} / {result['backend']}, batch {result['batch_size']}"),
-        ("steady step, telemetry off", f"{result['step_time_off_s'] * 1e3:.3f} ms (median of windows)"),
-        ("steady step, telemetry on", f"{result['step_time_on_s'] * 1e3:.3f} ms"),
-        ("overhead", f"{result['overhead_percent']:+.2f} %"),
-        ("hooks' host time", f"{result['hook_host_us_per_step']:.1f} us/step"),
-        ("hooks' host time / step", f"{result['hook_host_percent_of_step']:.3f} %"),
-        ("telemetry's own steady step", f"{(result['telemetry_steady_step_time_s'] or 0) * 1e3:.3f} ms"),
-        ("tokens/s (telemetry)", f"{result['telemetry_summary']['steady_items_per_s'] or 0:,.0f}"),
-        ("MFU (telemetry)", f"{result['telemetry_summary']['mfu'] or float('nan'):.3f}"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(f"{name.ljust(width)}  {value}" for name, value in rows))
+    summary = result["telemetry_summary"]
+    rows = {
+        "device": result["device"],
+        "model / backend": f"{result['model']} / {result['backend']}, batch {result['batch_size']}",
+        "steady step, telemetry off": f"{result['step_time_off_s'] * 1e3:.3f} ms (median of windows)",
+        "steady step, telemetry on": f"{result['step_time_on_s'] * 1e3:.3f} ms",
+        "overhead": f"{result['overhead_percent']:+.2f} %",
+        "hooks' host time": f"{result['hook_host_us_per_step']:.1f} us/step",
+        "hooks' host time / step": f"{result['hook_host_percent_of_step']:.3f} %",
+        "telemetry's own steady step": f"{(result['telemetry_steady_step_time_s'] or 0) * 1e3:.3f} ms",
+        "tokens/s (telemetry)": f"{summary['steady_items_per_s'] or 0:,.0f}",
+        "MFU (telemetry)": f"{summary['mfu'] or float('nan'):.3f}",
+    }
+    print(common.format_table(["field", "value"], [{"field": k, "value": v} for k, v in rows.items()]))
 
 
 def main(argv: List[str]) -> None:
