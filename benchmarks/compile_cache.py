@@ -23,8 +23,8 @@ CPU smoke run (tiny configs, Inductor on the CPU), as the tests run it:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -61,32 +61,26 @@ def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
         from benchmarks.real_models import build_model
 
         with device:
-            model = build_model("llama", smoke)[0]
-        return HFLoss(model)
+            return TokenLoss(build_model("llama", smoke)[0], hf=True)
     from recipes.gpt import GPT, GPTConfig
 
     sizes = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     if smoke:
         sizes = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
     with device:
-        return GPTLoss(GPT(GPTConfig(**sizes, dropout=0.0)))
+        return TokenLoss(GPT(GPTConfig(**sizes, dropout=0.0)), hf=False)
 
 
-class HFLoss(nn.Module):
-    def __init__(self, model: nn.Module):
+class TokenLoss(nn.Module):
+    """A language model whose ``forward(tokens)`` returns its loss: an HF causal LM's, or the recipe GPT's."""
+
+    def __init__(self, model: nn.Module, hf: bool):
         super().__init__()
-        self.model = model
+        self.model, self.hf = model, hf
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-
-class GPTLoss(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            return self.model(input_ids=tokens, labels=tokens).loss
         return self.model(tokens[:, :-1], tokens[:, 1:])[1]
 
 
@@ -241,34 +235,27 @@ def main() -> None:
     ]
     earlier = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
     title = "Compile cache: cold vs same machine vs new machine"
-    work = Path(tempfile.mkdtemp(prefix="compile_cache_bench_"))
     rows: List[Dict[str, Any]] = []
-    try:
-        for model in args.models:
-            for policy in args.policies:
-                cache_dir = args.cache_dir or str(work / "bundles")
-                cold_machine = work / f"{model}_{policy}_cold"
-                results = {}
-                for phase in ["cold", *(p for p in args.phases if p != "cold")]:
-                    machine = cold_machine if phase in ("cold", "same_machine") else work / f"{model}_{policy}_{phase}"
-                    results[phase] = launch(args, model, policy, phase, machine, cache_dir)
-                    cold = results["cold"]
-                    result = results[phase]
-                    row = {"model": model, "policy": policy, "phase": phase, **result}
-                    if "first_step_s" in result and "first_step_s" in cold:
-                        row["vs_cold"] = result["first_step_s"] / cold["first_step_s"]
-                        row["loss_rel_diff_vs_cold"] = common.rel_diff(result["losses"], cold["losses"])
-                    rows.append(row)
-                    print(common.format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
-                    # after each phase: a run cut short keeps what it measured
-                    common.write_result(
-                        args.out, "compile_cache", title, COLUMNS, with_full_cold_ratio(earlier + rows), notes
-                    )
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    common.print_table(
-        COLUMNS, with_full_cold_ratio(earlier + rows), baseline="cold (vs_cold), full's cold compile (vs_full_cold)"
-    )
+    with tempfile.TemporaryDirectory(prefix="compile_cache_bench_", ignore_cleanup_errors=True) as folder:
+        for model, policy in itertools.product(args.models, args.policies):
+            cache_dir = args.cache_dir or f"{folder}/bundles"
+            cold: Dict[str, Any] = {}
+            for phase in ["cold", *(p for p in args.phases if p != "cold")]:
+                machine = Path(folder) / f"{model}_{policy}_{'cold' if phase in ('cold', 'same_machine') else phase}"
+                result = launch(args, model, policy, phase, machine, cache_dir)
+                cold = result if phase == "cold" else cold
+                row = {"model": model, "policy": policy, "phase": phase, **result}
+                if "first_step_s" in result and "first_step_s" in cold:
+                    row["vs_cold"] = result["first_step_s"] / cold["first_step_s"]
+                    row["loss_rel_diff_vs_cold"] = common.rel_diff(result["losses"], cold["losses"])
+                rows.append(row)
+                print(common.format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
+                # after each phase: a run cut short keeps what it measured
+                common.write_result(
+                    args.out, "compile_cache", title, COLUMNS, with_full_cold_ratio(earlier + rows), notes
+                )
+    baseline = "cold (vs_cold), full's cold compile (vs_full_cold)"
+    common.print_table(COLUMNS, with_full_cold_ratio(earlier + rows), baseline=baseline)
     print(f"wrote {args.out}")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import random
 import sys
@@ -317,12 +316,11 @@ def main() -> None:
         "steady_real_tokens_per_s: the stream run again after it (every length compiled; with CUDA graphs the "
         "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
         "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
-        "nothing (a sync after each); padding: "
-        "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: a frame's "
+        "nothing (a sync after each); padding: positions / real tokens - 1 (the collator's own padding included); "
+        "recompiles_after_warmup: a frame's "
         "compiles after its first, bucket warm-up's aside; vs_plain_total_at_most: total_s / the seconds plain ran "
         "before its timeout stopped it",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
-        f"environment: {json.dumps(common.environment())}",
     ]
     title = "Variable-length batches on HF Llama: plain torch.compile vs dynamic vs buckets"
     rows = []
@@ -338,10 +336,8 @@ def main() -> None:
         else:
             rows.append(result)
             print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
-        add_ratios(rows)
-        common.write_result(
-            args.out, "hf_varlen", title, COLUMNS, rows, notes
-        )  # after each: a cut-short run keeps its rows
+        add_ratios(rows)  # and the file written after each variant: a cut-short run keeps its rows
+        common.write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)
     common.print_table(COLUMNS, rows, baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)")
 
 
