@@ -1,24 +1,15 @@
 """The callback dropped into a plain LightningModule, as a user runs it: ``Trainer(precision="bf16-mixed")``, fused
-AdamW, no telemetry configuration. HF Llama (16 layers, d 1024, ``use_cache=False``, batch 8 x 1024; a dict batch
-with ``input_ids``, ``attention_mask`` and ``labels``) and timm ViT-B/16 (batch 64 x 224²), each under: eager, the
-inner model ``torch.compile``d by hand, and ``CompileCallback`` with ``regional``, ``regional_background`` and
-``full``. Each variant is a fresh process with empty Inductor and Triton caches.
-
-Per row: the first step and the median steady step (the benchmark's own CUDA-event clock), tokens/s or images/s
-and MFU from them (FLOPs counted once per model by ``FlopCounterMode`` on the eager model), and next to them the
-callback's summary figures (``steady_items_per_s`` or ``steady_samples_per_s``, ``mfu``), with their ratio.
-
-Then the compile cache as ``train.py`` uses it, through Lightning's ``bf16-mixed`` plugin: the recipe
-``gpt2_small`` under ``regional`` and ``full``, each trained twice with ``compile.cache.dir`` (``cold`` writes the
-bundle; ``new_machine`` starts with empty Inductor and Triton caches and loads it), and ``full`` once with no cache
-(``cold_no_cache``, the base of ``vs_full_cold``). Per row: the first step, how many region calls the precompiled
-layer served and how many Dynamo traced, the graphs compiled, eager fallbacks, and captures that failed.
+AdamW, no telemetry configuration. HF Llama (16 layers, d 1024, ``use_cache=False``, 8 x 1024 tokens in a dict
+batch) and timm ViT-B/16 (64 images of 224²), each under eager, ``torch.compile`` by hand, and ``CompileCallback``
+with ``regional``, ``regional_background`` and ``full``; per row the benchmark's own clock (CUDA events: first step,
+median steady step, items/s, MFU from ``FlopCounterMode``) beside the callback's summary and their ratio. Then the
+compile cache through ``train.py`` (recipe ``gpt2_small``, ``regional`` and ``full``): ``cold`` writes the bundle,
+``new_machine`` loads it with empty Inductor/Triton caches, ``full`` ``cold_no_cache`` is the base of
+``vs_full_cold``. Each variant a fresh process with empty compile caches.
 
     python benchmarks/lightning_dropin.py --out benchmarks/results/lightning_dropin.json
     python benchmarks/lightning_dropin.py --models llama --cache-policies '' --out /tmp/llama.json   # one part
     python benchmarks/lightning_dropin.py --smoke --out /tmp/dropin.json     # CPU, tiny models, aot_eager
-
-Importable without hydra and wandb (the GPU image has neither; omegaconf is carried).
 """
 
 from __future__ import annotations
