@@ -35,14 +35,8 @@ COLUMNS = [
     "cache", "error",
 ]  # fmt: skip
 GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
-LLAMA |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-SMOKE = {
-    "gpt2": dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16),
-    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64),
-}  # fmt: skip
-SEQUENCE = {"gpt2": 1024, "llama": 1024}
+SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
 # The ddp-options experiment's variants: the strategy's and optimizer's settings a user of DDP can choose, each
 # a comma-separated list of these names.
@@ -71,19 +65,18 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
     from compile_trainer import apply_policy
     from compile_trainer.compiling.regions import APPLIED_ATTR
 
-    sizes = SMOKE[args.model] if args.smoke else (GPT2 if args.model == "gpt2" else LLAMA)
-
     class Benchmarked(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             if args.model == "gpt2":
                 from recipes.gpt import GPT, GPTConfig
 
-                self.model = GPT(GPTConfig(**sizes))
+                config = GPTConfig(**(SMOKE_GPT2 if args.smoke else GPT2))
+                self.model, self.vocab = GPT(config), config.vocab_size
             else:
-                import transformers
+                from benchmarks.real_models import build_model
 
-                self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, use_cache=False))
+                self.model, _, self.vocab = build_model("llama", args.smoke)
 
         def training_step(self, batch, batch_idx: int) -> torch.Tensor:
             inputs, targets = batch
@@ -111,7 +104,7 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
             from torch.utils.data import DataLoader
 
             pin = torch.cuda.is_available() and not args.smoke  # as a GPU user's loader does
-            return DataLoader(batches(args, sizes["vocab_size"], self.global_rank), batch_size=None, pin_memory=pin)
+            return DataLoader(batches(args, self.vocab, self.global_rank), batch_size=None, pin_memory=pin)
 
     return Benchmarked()
 
@@ -131,11 +124,8 @@ def ddp_strategy(args: argparse.Namespace) -> Any:
     chosen = options(args)
     if "no_ddp_optimizer" in chosen:
         torch._dynamo.config.optimize_ddp = False
-    kwargs: Dict[str, Any] = {}
-    if "bucket_view" in chosen:
-        kwargs["gradient_as_bucket_view"] = True
-    if "static_graph" in chosen:
-        kwargs["static_graph"] = True
+    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True} if "bucket_view" in chosen else {}
+    kwargs |= {"static_graph": True} if "static_graph" in chosen else {}
     if "bf16_grads" in chosen:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -147,7 +137,7 @@ def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
     """``args.steps`` batches of random tokens for this rank (its own: no distributed sampler). The collectives
     experiment gives each rank lengths of its own, the first ones different on every rank."""
     generator = torch.Generator().manual_seed(1000 + rank)
-    length = SMOKE[args.model].get("block_size", 16) if args.smoke else SEQUENCE[args.model]
+    length = SMOKE_SEQUENCE if args.smoke else SEQUENCE
     lengths = [length] * args.steps
     if args.experiment == "collectives":
         choices = [n // 64 if args.smoke else n for n in LENGTHS]
