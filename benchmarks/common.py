@@ -1,8 +1,9 @@
 """The benchmarks' harness: fresh-process variants, the variant syntax, step timing, the result file and its table.
 
-A benchmark script holds its models, its variants and a function that measures one variant; this module runs
-each variant in a fresh process with empty compile caches (``run_fresh`` / ``worker``), times steps
-(``StepTimer``, ``timed``, ``repeated`` for medians and spread over repeats), writes the result file
+A benchmark script holds its models, its variants and a function that measures one variant; this module gives it
+its command line (``arguments``: ``--out``, ``--smoke``, the worker's hidden flags), runs each variant in a fresh
+process with empty compile caches (``run_fresh`` / ``fresh_row``, and ``worker`` in that process), times steps
+(``StepTimer``, ``time_steps``, ``timed``; ``repeated`` for medians and spread over repeats), writes the result file
 (``write_result``: ``{"benchmark", "title", "meta", "columns", "rows", "notes"}``, meta with the git commit) and
 prints it side by side (``print_table``, ratios from ``add_ratio``). ``benchmarks/make_report.py`` renders every
 result file into ``docs/BENCHMARKS.md``. Importable without hydra, omegaconf or wandb (the GPU image has none).
@@ -10,6 +11,7 @@ result file into ``docs/BENCHMARKS.md``. Importable without hydra, omegaconf or 
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import faulthandler
 import importlib.metadata
@@ -30,7 +32,35 @@ import torch
 from compile_trainer.tables import text_table
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 LIBRARIES = ("lightning", "transformers", "timm", "accelerate")  # versions read from metadata, not imported
+
+
+def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU") -> Any:
+    """A benchmark's parser with the flags every script has: ``--out`` (default ``benchmarks/results/<name>.json``,
+    the headline), ``--smoke`` and the hidden ``--worker-out`` that ``run_fresh`` gives its worker."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json" if name else None, required=not name)
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    return parser
+
+
+def hidden(parser: Any, *flags: str, **options: Any) -> None:
+    """Flags only the harness passes (a worker's variant, phase or model)."""
+    for flag in flags:
+        parser.add_argument(flag, help=argparse.SUPPRESS, **options)
+
+
+def device_for(smoke: bool) -> torch.device:
+    """The GPU where there is one, except in a smoke run."""
+    return torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+
+
+def rel_diff(values: Sequence[float], reference: Sequence[float]) -> Optional[float]:
+    """The largest relative difference of ``values`` from ``reference`` (losses against eager's), pairwise."""
+    pairs = list(zip(values, reference))
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs) if pairs else None
 
 
 def is_recompile(metric: Any) -> bool:
@@ -140,9 +170,6 @@ class StepTimer:
             return [start.elapsed_time(end) / 1e3 for start, end in self.pairs]
         return [end - start for start, end in self.pairs]
 
-    def median(self) -> float:
-        return statistics.median(self.seconds())
-
 
 def time_steps(
     device: torch.device,
@@ -230,15 +257,8 @@ def quiet_trainer(device: torch.device, **trainer_args: Any) -> Any:
     """A Lightning Trainer on one ``device`` without logger, checkpoints, progress bar, summary or validation."""
     import lightning.pytorch as pl
 
-    defaults = dict(
-        accelerator=device.type,
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    defaults = dict(accelerator=device.type, devices=1, logger=False, enable_checkpointing=False)
+    defaults |= dict(enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
     return pl.Trainer(**(defaults | trainer_args))
 
 
@@ -261,14 +281,7 @@ def write_result(
     meta: Optional[Dict[str, Any]] = None,
 ) -> None:
     """The result file ``make_report.py`` renders; ``meta`` defaults to this process's ``environment()``."""
-    result = {
-        "benchmark": benchmark,
-        "title": title,
-        "meta": meta or environment(),
-        "columns": columns,
-        "rows": rows,
-        "notes": notes,
-    }
+    result = dict(benchmark=benchmark, title=title, meta=meta or environment(), columns=columns, rows=rows, notes=notes)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
 
@@ -379,6 +392,13 @@ def run_fresh(
                 file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
     result["process_s"] = time.perf_counter() - started
     return result
+
+
+def fresh_row(script: str, args: List[str], timeout: float, row: Optional[Dict[str, Any]] = None, **options) -> Dict:
+    """``run_fresh`` for one row: the worker's result, or on a failure ``row`` with the ``error``."""
+    result = run_fresh(script, args, timeout, **options)
+    result.pop("process_s")
+    return dict(row or {}, error=result["error"]) if result.get("error") else result
 
 
 def _text(output: Any) -> str:

@@ -1,32 +1,15 @@
 """Compile cache: time to the first step cold, on the same machine, and on a new machine that loads a bundle.
 
-For each model and policy, these phases, each in a fresh process:
-
-- ``cold``: empty Inductor/Triton caches, no bundle; compiles everything, captures the regions' precompiled
-  artifacts (``capture_s``) and writes the bundle (after step 3; steps 4 and 5 then train on, their losses
-  compared with the other phases' in ``loss_rel_diff_vs_cold``);
-- ``cold_no_cache``: empty Inductor/Triton caches, the compile cache off: the cold compile a run pays without
-  compile_trainer's cache (no capture), the base of ``vs_full_cold``;
-- ``same_machine``: the cold phase's Inductor/Triton caches, the compile cache off;
-- ``new_machine_mega``: empty Inductor/Triton caches, the bundle's mega-cache only (``cache.layers: [mega_cache]``);
-- ``new_machine_traced``: empty Inductor/Triton caches, the mega-cache and the cache directories' files, not the
-  precompiled artifacts (Dynamo traces every region again; the cache before the precompiled layer);
-- ``new_machine``: empty Inductor/Triton caches, the whole bundle (the precompiled artifacts serve the regions);
-- ``eager``: nothing compiled: what a first step costs anyway (the first kernels, cuBLAS, the optimizer's state).
-
-``first_step_s`` runs from before the bundle is loaded to the end of the first training step (forward, backward,
-optimizer), so load time is counted; the process's imports and model construction are not (``startup_s``), nor
-is importing the compiler stack (``compiler_import_s``: Dynamo, AOTAutograd, Inductor, Triton), which a process
-pays at its first compile whatever its caches hold. ``first_step_s`` = ``load_s`` + ``compile_s`` (Dynamo's
-``dynamo_s`` and its backend's ``backend_s``, cache loads included) + ``run_s`` (running the step: first kernels,
-CUDA-graph recording); with the precompiled layer, ``load_s`` also counts loading the artifacts at the regions'
-first calls. ``vs_full_cold`` divides by the ``cold_no_cache`` ``full`` phase of the same model (``cold``'s when it
-was not run; the issue's goal: at most 0.10 on a new machine for both policies).
-Models: the recipe's ``gpt2_small`` (recipes.gpt, batch 8 x 1024) and the HF Llama of ``real_models.py``
-(LlamaForCausalLM, 16 layers, batch 8 x 1024); bf16 autocast, fused AdamW. Policies: ``regional`` and ``full``
-(whole model, ``mode: reduce-overhead`` as in the issue's measurement).
-
-GPU run (one command, about 6 minutes on an H100; or split in two, ``--append`` adding to the first's file):
+For each model and policy, phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles, captures
+the precompiled artifacts, writes the bundle after step 3, then trains 2 more steps), ``cold_no_cache`` (the cache
+off: the base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
+``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (the mega-cache and cache
+directories, not the precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager`` (nothing compiled).
+``first_step_s`` runs from before the bundle's load to the end of the first training step: ``load_s`` +
+``compile_s`` (``dynamo_s`` + ``backend_s``) + ``run_s``; imports and model construction (``startup_s``) and the
+compiler stack's import (``compiler_import_s``) are not in it. Models: the recipe's ``gpt2_small`` and
+``real_models.py``'s HF Llama (both batch 8 x 1024), bf16 autocast, fused AdamW; policies ``regional`` and ``full``
+(``mode: reduce-overhead``). GPU run (about 6 minutes on an H100; or split in two with ``--append``):
 
     python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
     python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
@@ -40,8 +23,8 @@ CPU smoke run (tiny configs, Inductor on the CPU), as the tests run it:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -53,10 +36,10 @@ STARTED = time.perf_counter()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import add_ratio, format_table, print_table, run_fresh, synchronize, worker, write_result  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import synchronize  # noqa: E402
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")
@@ -67,28 +50,9 @@ POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
 # the bundle is written after the third step (forward, backward and optimizer all compiled), its captures run then;
 # two more steps follow, so the losses show whether training goes on as before after a capture (CUDA graphs too)
 STEPS = 3
-COLUMNS = [
-    "model",
-    "policy",
-    "phase",
-    "first_step_s",
-    "vs_cold",
-    "vs_full_cold",
-    "load_s",
-    "compile_s",
-    "dynamo_s",
-    "backend_s",
-    "run_s",
-    "cache",
-    "fx_graph_hit_miss",
-    "precompiled_hit_miss",
-    "capture_s",
-    "bundle_mb",
-    "save_s",
-    "startup_s",
-    "compiler_import_s",
-    "loss_rel_diff_vs_cold",
-]
+COLUMNS = """model policy phase first_step_s vs_cold vs_full_cold load_s compile_s dynamo_s backend_s run_s cache
+fx_graph_hit_miss precompiled_hit_miss capture_s bundle_mb save_s startup_s compiler_import_s
+loss_rel_diff_vs_cold""".split()
 
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
@@ -97,32 +61,26 @@ def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
         from benchmarks.real_models import build_model
 
         with device:
-            model = build_model("llama", smoke)[0]
-        return HFLoss(model)
+            return TokenLoss(build_model("llama", smoke)[0], hf=True)
     from recipes.gpt import GPT, GPTConfig
 
     sizes = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     if smoke:
         sizes = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
     with device:
-        return GPTLoss(GPT(GPTConfig(**sizes, dropout=0.0)))
+        return TokenLoss(GPT(GPTConfig(**sizes, dropout=0.0)), hf=False)
 
 
-class HFLoss(nn.Module):
-    def __init__(self, model: nn.Module):
+class TokenLoss(nn.Module):
+    """A language model whose ``forward(tokens)`` returns its loss: an HF causal LM's, or the recipe GPT's."""
+
+    def __init__(self, model: nn.Module, hf: bool):
         super().__init__()
-        self.model = model
+        self.model, self.hf = model, hf
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-
-class GPTLoss(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            return self.model(input_ids=tokens, labels=tokens).loss
         return self.model(tokens[:, :-1], tokens[:, 1:])[1]
 
 
@@ -132,7 +90,7 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     from compile_trainer.cache.session import CompileCache
     from compile_trainer.telemetry.compile_events import CompileTelemetry
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = common.device_for(args.smoke)
     torch.manual_seed(0)
     holder = nn.ModuleDict({"model": build(args.model, args.smoke, device)})
     holder.to(device).train()
@@ -241,35 +199,30 @@ def with_full_cold_ratio(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     def is_base(row: Dict[str, Any]) -> bool:
         return row["policy"] == "full" and row["phase"] == ("cold_no_cache" if row["model"] in no_cache else "cold")
 
-    add_ratio(rows, "vs_full_cold", "first_step_s", is_base, group=lambda row: row["model"])
+    common.add_ratio(rows, "vs_full_cold", "first_step_s", is_base, group=lambda row: row["model"])
     return rows
 
 
 def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machine: Path, cache_dir: str) -> Dict:
     """``phase`` in a fresh process whose Inductor and Triton caches are ``machine``'s."""
     command = ["--phase", phase, "--model", model, "--policy", policy, "--cache-dir", cache_dir]
-    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout, caches=machine)
-    result.pop("process_s")
+    result = common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, caches=machine)
     return {"cache": f"failed: {result['error']}"} if "error" in result else result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile_cache.json")
+    parser = common.arguments(__doc__.split("\n")[0], "compile_cache", "tiny models on the CPU")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
     parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
-    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     parser.add_argument("--append", action="store_true", help="add the rows to --out's (a run split in two)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per phase")
-    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--policy", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    common.hidden(parser, "--phase", choices=PHASES)
+    common.hidden(parser, "--model", "--policy")
     args = parser.parse_args()
     if args.phase:
-        return worker(args.worker_out, lambda: run_phase(args), args.timeout)
+        return common.worker(args.worker_out, lambda: run_phase(args), args.timeout)
 
     notes = [
         "Each phase a fresh process; first_step_s counts the bundle's load, the compile and the first step "
@@ -282,34 +235,27 @@ def main() -> None:
     ]
     earlier = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
     title = "Compile cache: cold vs same machine vs new machine"
-    work = Path(tempfile.mkdtemp(prefix="compile_cache_bench_"))
     rows: List[Dict[str, Any]] = []
-    try:
-        for model in args.models:
-            for policy in args.policies:
-                cache_dir = args.cache_dir or str(work / "bundles")
-                cold_machine = work / f"{model}_{policy}_cold"
-                results = {}
-                for phase in ["cold", *(p for p in args.phases if p != "cold")]:
-                    machine = cold_machine if phase in ("cold", "same_machine") else work / f"{model}_{policy}_{phase}"
-                    results[phase] = launch(args, model, policy, phase, machine, cache_dir)
-                    cold = results["cold"]
-                    result = results[phase]
-                    row = {"model": model, "policy": policy, "phase": phase, **result}
-                    if "first_step_s" in result and "first_step_s" in cold:
-                        row["vs_cold"] = result["first_step_s"] / cold["first_step_s"]
-                        row["loss_rel_diff_vs_cold"] = max(
-                            abs(a - b) / abs(b) for a, b in zip(result["losses"], cold["losses"])
-                        )
-                    rows.append(row)
-                    print(format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
-                    # after each phase: a run cut short keeps what it measured
-                    write_result(args.out, "compile_cache", title, COLUMNS, with_full_cold_ratio(earlier + rows), notes)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print_table(
-        COLUMNS, with_full_cold_ratio(earlier + rows), baseline="cold (vs_cold), full's cold compile (vs_full_cold)"
-    )
+    with tempfile.TemporaryDirectory(prefix="compile_cache_bench_", ignore_cleanup_errors=True) as folder:
+        for model, policy in itertools.product(args.models, args.policies):
+            cache_dir = args.cache_dir or f"{folder}/bundles"
+            cold: Dict[str, Any] = {}
+            for phase in ["cold", *(p for p in args.phases if p != "cold")]:
+                machine = Path(folder) / f"{model}_{policy}_{'cold' if phase in ('cold', 'same_machine') else phase}"
+                result = launch(args, model, policy, phase, machine, cache_dir)
+                cold = result if phase == "cold" else cold
+                row = {"model": model, "policy": policy, "phase": phase, **result}
+                if "first_step_s" in result and "first_step_s" in cold:
+                    row["vs_cold"] = result["first_step_s"] / cold["first_step_s"]
+                    row["loss_rel_diff_vs_cold"] = common.rel_diff(result["losses"], cold["losses"])
+                rows.append(row)
+                print(common.format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
+                # after each phase: a run cut short keeps what it measured
+                common.write_result(
+                    args.out, "compile_cache", title, COLUMNS, with_full_cold_ratio(earlier + rows), notes
+                )
+    baseline = "cold (vs_cold), full's cold compile (vs_full_cold)"
+    common.print_table(COLUMNS, with_full_cold_ratio(earlier + rows), baseline=baseline)
     print(f"wrote {args.out}")
 
 

@@ -11,7 +11,6 @@ graphs), in a plain loop with and without ``copy_cuda_graph_gradients`` and in a
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -19,10 +18,9 @@ from typing import Any, Dict, List
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import print_table, quiet_trainer, write_result  # noqa: E402
+from benchmarks import common  # noqa: E402
 from recipes.gpt import GPTConfig, LanguageModel  # noqa: E402
 
 MODEL = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128)
@@ -84,13 +82,13 @@ def train_lightning(config, device, policy, accumulate, steps) -> Dict[str, Any]
     data = DataLoader(
         [(b[:, :-1], b[:, 1:]) for b in make_batches(config, steps * accumulate, device)], batch_size=None
     )
-    trainer = quiet_trainer(device, max_steps=steps, accumulate_grad_batches=accumulate, callbacks=callbacks)
+    trainer = common.quiet_trainer(device, max_steps=steps, accumulate_grad_batches=accumulate, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=data)
     return {"losses": recorder.losses, "weights": [p.detach().float().cpu() for p in module.parameters()]}
 
 
 def compare(result: Dict[str, Any], reference: Dict[str, Any]) -> Dict[str, Any]:
-    losses = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], reference["losses"]))
+    losses = common.rel_diff(result["losses"], reference["losses"])
     weights = max(float((a - b).norm() / b.norm()) for a, b in zip(result["weights"], reference["weights"]))
     return {"max_loss_rel_diff": losses, "max_weight_rel_diff": weights, "ok": losses < 1e-3 and weights < 1e-3}
 
@@ -104,14 +102,12 @@ def run(train, **kwargs) -> Dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cuda_graph_checks.json")
+    parser = common.arguments(__doc__, "cuda_graph_checks", "tiny model on the CPU")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     args = parser.parse_args()
     from compile_trainer.schema import to_policy
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = common.device_for(args.smoke)
     config = SMOKE if args.smoke else MODEL
     policy = to_policy("regional", backend="aot_eager" if args.smoke else "inductor")
     checks = [  # how, the loop, its arguments
@@ -128,8 +124,10 @@ def main() -> None:
             row = {"check": "regional (CUDA graphs) vs eager", "how": how, "accumulate": accumulate}
             rows.append(row | (compare(result, eager[loop]) if "error" not in result else result | {"ok": False}))
     notes = [f"{config}; {args.steps} optimizer steps; device {device}; fp32"]
-    write_result(args.out, "cuda_graph_checks", "CUDA graphs with gradient accumulation vs eager", COLUMNS, rows, notes)
-    print_table(COLUMNS, rows, baseline="eager (max_*_rel_diff)")
+    common.write_result(
+        args.out, "cuda_graph_checks", "CUDA graphs with gradient accumulation vs eager", COLUMNS, rows, notes
+    )
+    common.print_table(COLUMNS, rows, baseline="eager (max_*_rel_diff)")
 
 
 if __name__ == "__main__":

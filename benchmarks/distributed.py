@@ -1,27 +1,16 @@
 """Compile policies under DDP and FSDP2 on several GPUs: 1 vs N GPUs, ``regional`` vs ``full``, GPT-2 small (the
-recipe) and an HF Llama (16 layers, d 1024); global throughput (samples/s of all ranks), each rank's first step,
-recompiles and peak memory by rank, the ranks whose recompiles diverge. Two experiments beside the scaling rows:
-
-- ``collectives``: ranks whose first batches differ in length (rank r's lengths are its own), under ``regional``
-  with and without ``distributed.consistent_dynamic_shapes`` (Dynamo's compiler collectives), where torch's docs say
-  they help: at the first compile the ranks agree that the length is dynamic, instead of each specializing on its
-  own first length and recompiling at its next.
-- ``cache``: the DDP ``regional`` row on N GPUs writes a compile-cache bundle (rank 0); a second run with empty
-  local caches (a new machine) records each rank's first step against that cold one.
-
-On a machine with N GPUs (each run a fresh Lightning job of N processes, with its own empty Inductor and Triton
-caches):
+recipe) and an HF Llama (16 layers, d 1024); global samples/s, each rank's first step, recompiles and peak memory,
+the ranks whose recompiles diverge (docs/distributed.md). Weak scaling: each rank trains ``--batch`` samples a step;
+the one-GPU row of a (model, policy) is one run shared by both strategies. ``--experiments`` adds ``collectives``
+(ranks of different first lengths, ``distributed.consistent_dynamic_shapes`` off and on), ``cache`` (the DDP
+``regional`` row writes a bundle; a run with empty local caches loads it) and ``ddp-options``. On N GPUs, each run
+a fresh Lightning job of N processes with empty Inductor/Triton caches:
 
     python benchmarks/distributed.py --models gpt2 --out benchmarks/results/distributed_gpt2.json
 
-CPU smoke run (2 gloo processes, tiny models, backend aot_eager; no collectives experiment: torch refuses compiler
-collectives on a gloo group), as the tests run it:
+CPU smoke run (2 gloo processes, tiny models, aot_eager; no collectives: gloo refuses compiler collectives):
 
     python benchmarks/distributed.py --smoke --out /tmp/distributed.json
-
-Weak scaling: each rank trains ``--batch`` samples a step, so N GPUs see N times the samples of one. The one-GPU
-row of a (model, policy) is one run, shared by both strategies (on one device neither wraps the model).
-Importable without hydra and wandb (the GPU image has neither).
 """
 
 from __future__ import annotations
@@ -33,12 +22,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, quiet_trainer, run_fresh, write_result  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 COLUMNS = [
     "model", "experiment", "strategy", "policy", "options", "gpus", "samples_per_s", "scaling_vs_1",
@@ -47,14 +35,8 @@ COLUMNS = [
     "cache", "error",
 ]  # fmt: skip
 GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
-LLAMA |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-SMOKE = {
-    "gpt2": dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16),
-    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64),
-}  # fmt: skip
-SEQUENCE = {"gpt2": 1024, "llama": 1024}
+SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
+SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
 # The ddp-options experiment's variants: the strategy's and optimizer's settings a user of DDP can choose, each
 # a comma-separated list of these names.
@@ -83,19 +65,18 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
     from compile_trainer import apply_policy
     from compile_trainer.compiling.regions import APPLIED_ATTR
 
-    sizes = SMOKE[args.model] if args.smoke else (GPT2 if args.model == "gpt2" else LLAMA)
-
     class Benchmarked(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             if args.model == "gpt2":
                 from recipes.gpt import GPT, GPTConfig
 
-                self.model = GPT(GPTConfig(**sizes))
+                config = GPTConfig(**(SMOKE_GPT2 if args.smoke else GPT2))
+                self.model, self.vocab = GPT(config), config.vocab_size
             else:
-                import transformers
+                from benchmarks.real_models import build_model
 
-                self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, use_cache=False))
+                self.model, _, self.vocab = build_model("llama", args.smoke)
 
         def training_step(self, batch, batch_idx: int) -> torch.Tensor:
             inputs, targets = batch
@@ -123,7 +104,7 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
             from torch.utils.data import DataLoader
 
             pin = torch.cuda.is_available() and not args.smoke  # as a GPU user's loader does
-            return DataLoader(batches(args, sizes["vocab_size"], self.global_rank), batch_size=None, pin_memory=pin)
+            return DataLoader(batches(args, self.vocab, self.global_rank), batch_size=None, pin_memory=pin)
 
     return Benchmarked()
 
@@ -143,11 +124,8 @@ def ddp_strategy(args: argparse.Namespace) -> Any:
     chosen = options(args)
     if "no_ddp_optimizer" in chosen:
         torch._dynamo.config.optimize_ddp = False
-    kwargs: Dict[str, Any] = {}
-    if "bucket_view" in chosen:
-        kwargs["gradient_as_bucket_view"] = True
-    if "static_graph" in chosen:
-        kwargs["static_graph"] = True
+    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True} if "bucket_view" in chosen else {}
+    kwargs |= {"static_graph": True} if "static_graph" in chosen else {}
     if "bf16_grads" in chosen:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -159,7 +137,7 @@ def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
     """``args.steps`` batches of random tokens for this rank (its own: no distributed sampler). The collectives
     experiment gives each rank lengths of its own, the first ones different on every rank."""
     generator = torch.Generator().manual_seed(1000 + rank)
-    length = SMOKE[args.model].get("block_size", 16) if args.smoke else SEQUENCE[args.model]
+    length = SMOKE_SEQUENCE if args.smoke else SEQUENCE
     lengths = [length] * args.steps
     if args.experiment == "collectives":
         choices = [n // 64 if args.smoke else n for n in LENGTHS]
@@ -192,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy = (
             ddp_strategy(args) if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
         )
-    trainer = quiet_trainer(
+    trainer = common.quiet_trainer(
         torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy, max_steps=args.steps,
         callbacks=callbacks, precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
     )  # fmt: skip
@@ -297,14 +275,11 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     for key, value in run.items():
         if value not in (None, False):
             command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    result = run_fresh(__file__, command, args.timeout, caches=Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder)))
-    result.pop("process_s")
-    if result.get("error"):
-        keys = ("model", "experiment", "policy", "options", "gpus")
-        row = {key: run[key] for key in keys} | {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
-        row["experiment"] += "+collectives" if run["collectives"] else ""
-        return row | {"error": result["error"]}
-    return result
+    row = {key: run[key] for key in ("model", "experiment", "policy", "options", "gpus")}
+    row |= {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
+    row["experiment"] += "+collectives" if run["collectives"] else ""
+    caches = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder))
+    return common.fresh_row(__file__, command, args.timeout, row, caches=caches)
 
 
 def compare_to_one(rows: List[Dict[str, Any]]) -> None:
@@ -355,9 +330,7 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed.json")
-    parser.add_argument("--smoke", action="store_true", help="CPU, 2 gloo processes, tiny models, aot_eager")
+    parser = common.arguments(__doc__, "distributed", "CPU, 2 gloo processes, tiny models, aot_eager")
     parser.add_argument("--models", default="gpt2,llama", help="gpt2 (the recipe's GPT-2 small), llama (HF)")
     parser.add_argument("--experiments", default="scaling,collectives,cache")
     parser.add_argument("--strategies", default="ddp,fsdp2")
@@ -366,12 +339,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="samples per rank a step (8; 2 with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-dir", help="profile 3 steps near the end of each run (torch.profiler) into it")
-    for hidden in ("model", "experiment", "strategy", "policy", "cache-dir", "options"):
-        parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
-    parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    common.hidden(parser, "--model", "--experiment", "--strategy", "--policy", "--cache-dir", "--options")
+    common.hidden(parser, "--worker", "--collectives", action="store_true")
     args = parser.parse_args()
     args.batch = args.batch or (2 if args.smoke else 8)
     args.steps = args.steps or (4 if args.smoke else 30)
@@ -400,8 +370,8 @@ def main() -> None:
         "collectives: each rank's lengths cycle through 512/768/1024 from a different start; "
         "+collectives turns on distributed.consistent_dynamic_shapes.",
     ]
-    write_result(Path(args.out), "distributed", "Compile policies under DDP and FSDP2", COLUMNS, rows, notes)
-    print_table(COLUMNS, rows, baseline="one device of the same model and policy (*_vs_1; cache: the cold row)")
+    common.write_result(args.out, "distributed", "Compile policies under DDP and FSDP2", COLUMNS, rows, notes)
+    common.print_table(COLUMNS, rows, baseline="one device of the same model and policy (*_vs_1; cache: the cold row)")
 
 
 if __name__ == "__main__":

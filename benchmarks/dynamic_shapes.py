@@ -32,17 +32,10 @@ from typing import Any, Dict, List
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    add_ratio,
-    frame_compile_seconds,
-    is_recompile,
-    print_table,
-    synchronize,
-    write_result,
-)
+from benchmarks import common  # noqa: E402
+from benchmarks.common import synchronize  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
@@ -128,14 +121,14 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
         step_seconds.append(time.perf_counter() - step_started)
     total = time.perf_counter() - started
     metrics = list(torch._dynamo.utils.get_compilation_metrics())
-    recompiles = [m for m in metrics if m.co_name and is_recompile(m)]
+    recompiles = [m for m in metrics if m.co_name and common.is_recompile(m)]
     steady = sorted(step_seconds)[: max(1, len(step_seconds) // 2)]  # the faster half: steps without compiles
     return {
         "variant": variant,
         "total_s": total,
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
         "recompiles": len(recompiles),
-        "compile_s": sum(frame_compile_seconds(m) for m in metrics),
+        "compile_s": sum(common.frame_compile_seconds(m) for m in metrics),
         "steady_step_ms": 1e3 * statistics.median(steady),
         "tokens_per_s": real_tokens / total,
         "padding": padded_tokens / real_tokens - 1,
@@ -145,9 +138,7 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
 
 
 def main(argv: List[str] = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU (aot_eager), for CI")
+    parser = common.arguments(__doc__.splitlines()[0], "dynamic_shapes", "tiny model on the CPU (aot_eager), for CI")
     parser.add_argument("--variants", default="plain,dynamic,buckets")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -166,7 +157,7 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         config = SMOKE
         args.steps, args.batch_size, args.min_length, args.max_length = 6, 2, 8, 64
         args.buckets, args.backend = [32, 64], "aot_eager"
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = common.device_for(args.smoke)
     notes = [
         f"{args.steps} steps, batch {args.batch_size}, lengths uniform in {args.min_length}..{args.max_length} "
         f"(seed {args.seed}), {config.n_layer} layers, d={config.n_embd}, vocab {config.vocab_size}, "
@@ -180,11 +171,11 @@ def main(argv: List[str] = None) -> Dict[str, Any]:
         with compat.fresh_inductor_cache():
             rows.append(run_variant(variant, args, config, device))
         print(f"{variant}: {rows[-1]['total_s']:.1f} s, {rows[-1]['graphs']} graphs", flush=True)
-        add_ratio(rows, "speedup_vs_plain", "total_s", lambda row: row["variant"] == "plain", inverse=True)
+        common.add_ratio(rows, "speedup_vs_plain", "total_s", lambda row: row["variant"] == "plain", inverse=True)
         # written after every variant, so a run cut short still leaves what it measured
         title = "Variable sequence lengths: plain vs dynamic vs buckets"
-        write_result(args.out, "dynamic_shapes", title, columns, rows, notes)
-    print_table(columns, rows, baseline="plain")
+        common.write_result(args.out, "dynamic_shapes", title, columns, rows, notes)
+    common.print_table(columns, rows, baseline="plain")
     return {"rows": rows}
 
 

@@ -1,37 +1,24 @@
 """Variable-length batches on a Hugging Face Llama: plain ``torch.compile`` vs the bundled shape policies.
 
-The stream: ``--steps`` batches of 8 rows, each batch of one length drawn uniformly from 64..1024 (seeded): a new
-sequence length every step, as the issue's stream. With ``--rows ragged``, rows after the first are shorter
-(uniform in half..all of the batch's length), padded at the end as a collator pads them (``input_ids`` 0,
-``attention_mask`` 0, ``labels`` -100): that padding is in every variant's batches, and the fixed-length reference
-has none, so it caps ``vs_fixed_length`` near real tokens / positions.
-The model: ``LlamaForCausalLM`` of the regional issue (vocab 32000, hidden 1024, 16 layers; random weights,
-``use_cache=False``), bf16 autocast, fused AdamW, loss from ``labels=``. Each variant runs in a fresh process with
-empty compile caches; total time counts every compile and warm-up, as a user pays it.
+``--steps`` batches of 8 rows, each batch of one length drawn uniformly from 64..1024 (seeded); with ``--rows
+ragged``, rows after the first are shorter, padded at the end as a collator pads them (in every variant's batches;
+the fixed-length reference has none). ``real_models.py``'s Llama (``use_cache=False``), bf16 autocast, fused AdamW;
+each variant a fresh process with empty compile caches; total time counts every compile and warm-up.
 
     python benchmarks/hf_varlen.py                       # GPU: every variant, benchmarks/results/hf_varlen.json
     python benchmarks/hf_varlen.py --smoke --out /tmp/x  # CPU, tiny model, aot_eager
     python benchmarks/hf_varlen.py --variants dynamic --steps 40 --profile 3 --out /tmp/x  # where a step's time goes
 
-Variants:
-- ``plain``: ``torch.compile(model)``, batches as they come.
-- ``dynamic``: the bundled ``dynamic`` policy (entries by role, region inputs marked like the batch).
-- ``dynamic_full``: the bundled ``dynamic_full`` policy (the whole model one dynamic graph, lengths padded to
-  multiples of 64, a CUDA graph per padded length).
-- ``dynamic_full_background``: the bundled ``dynamic_full_background`` policy: ``dynamic_full`` compiled on a
-  thread (``BackgroundCompile``) while the first steps run eagerly; steps before the compiled model takes over
-  are not steady.
-- ``buckets``: the bundled ``buckets`` policy with buckets 128/256/512/1024, every bucket compiled first.
-- ``buckets_auto``: the bundled ``buckets_auto`` policy: 4 buckets chosen from the first 64 batches' lengths.
-- ``fixed_length``: the same real tokens packed into full rows of 1024, ``torch.compile(model)``: the reference
-  for throughput.
+Variants: ``plain`` (``torch.compile(model)``), the bundled policies ``dynamic``, ``dynamic_full`` (one dynamic
+graph, lengths padded to multiples of 64), ``dynamic_full_background`` (compiled on a thread while the first steps
+run eagerly), ``buckets`` (128/256/512/1024, every bucket compiled first), ``buckets_auto`` (4 buckets from the first
+64 batches' lengths), and ``fixed_length`` (the same real tokens in full rows, ``torch.compile``: the reference).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import random
 import sys
@@ -42,22 +29,10 @@ from typing import Any, Dict, List, Tuple
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    add_ratio,
-    environment,
-    fresh_compiler_state,
-    is_recompile,
-    print_table,
-    run_fresh,
-    split_variant,
-    synchronize,
-    with_rule_changes,
-    worker,
-    write_result,
-)
+from benchmarks import common  # noqa: E402
+from benchmarks.common import synchronize  # noqa: E402
 from benchmarks.real_models import build_model  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
@@ -112,7 +87,7 @@ def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
     rule's action); ``@pad=64`` pads
     lengths to multiples of 64 (ids 0, labels -100, the mask with ``@mask_pad``'s value, default 0: 1 keeps a causal
     model's mask all ones, which changes nothing for the real tokens before the padding)."""
-    name, overrides = split_variant(variant)
+    name, overrides = common.split_variant(variant)
     unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad"}
     if name not in VARIANTS or unknown:
         raise argparse.ArgumentTypeError(
@@ -147,7 +122,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             overrides["shapes"] = {"pad": {"dim": 1, "multiple_of": int(changes["pad"]), "values": values}}
         policy = to_policy(name, **overrides)
         if changes.keys() & {"action", "rest"}:
-            policy = with_rule_changes(policy, **{k: changes[k] for k in ("action", "rest") if k in changes})
+            policy = common.with_rule_changes(policy, **{k: changes[k] for k in ("action", "rest") if k in changes})
         holder = nn.ModuleDict({"model": model})  # as in a LightningModule, so the bundled rules (name: "*") match
         applied = apply_policy(holder, policy, device=device)
         shaper = BatchShaper(policy.shapes)
@@ -233,7 +208,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     telemetry.collect()
     telemetry.uninstall()
     metrics = list(compat.compilation_metrics())
-    recompiles = [m for m in metrics if is_recompile(m)]
+    recompiles = [m for m in metrics if common.is_recompile(m)]
     return {
         "variant": variant,
         "first_step_s": step_ms[0][2] / 1e3,
@@ -303,51 +278,36 @@ def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """Against plain's total (or, where plain timed out, the seconds it ran) and fixed_length's steady tokens/s."""
-    add_ratio(rows, "vs_plain_total", "total_s", lambda row: row["variant"] == "plain")
+    common.add_ratio(rows, "vs_plain_total", "total_s", lambda row: row["variant"] == "plain")
     plain_ran_s = next((row["ran_s"] for row in rows if row["variant"] == "plain" and "ran_s" in row), None)
     for row in rows:
         if plain_ran_s and "total_s" in row and "vs_plain_total" not in row:
             row["vs_plain_total_at_most"] = row["total_s"] / plain_ran_s
-    add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", lambda row: row["variant"] == "fixed_length")
+    common.add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", lambda row: row["variant"] == "fixed_length")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "hf_varlen.json")
-    parser.add_argument(
-        "--variants", nargs="+", default=VARIANTS, help=f"of {VARIANTS}; a policy's with @rest=... / @mode=..."
-    )
+    parser = common.arguments(__doc__.splitlines()[0], "hf_varlen", "tiny Llama on the CPU, aot_eager, 8 steps")
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, help=f"of {VARIANTS}; a policy's with @key=value")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--min-length", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--rows",
-        choices=["equal", "ragged"],
-        default="equal",
-        help="rows of a batch: one length, or shorter rows after the first, padded by the collator",
-    )
-    parser.add_argument(
-        "--profile",
-        type=int,
-        default=0,
-        help="profile this many more steps per variant, after the stream (<out>_profile_<variant>.txt)",
-    )
+    parser.add_argument("--rows", choices=list(ROWS), default="equal", help="one length a batch, or ragged rows")
+    parser.add_argument("--profile", type=int, default=0, help="profile N more steps a variant, after the stream")
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--smoke", action="store_true", help="tiny Llama on the CPU, aot_eager, 8 steps")
     parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
     parser.add_argument("--plain-timeout", type=int, help="seconds for plain (default: --variant-timeout)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    common.hidden(parser, "--worker")
     args = parser.parse_args()
     for variant in args.variants:
         variant_policy(variant)
     if args.smoke:
         args.steps, args.batch_size, args.min_length, args.max_length, args.backend = 8, 2, 8, 64, "aot_eager"
     if args.worker:
-        with fresh_compiler_state():
-            return worker(args.worker_out, lambda: run_variant(args.worker, args))
+        with common.fresh_compiler_state():
+            return common.worker(args.worker_out, lambda: run_variant(args.worker, args))
     notes = [
         f"{args.steps} steps, batch {args.batch_size}, batch lengths uniform in {args.min_length}..{args.max_length} "
         f"(seed {args.seed}), {ROWS[args.rows]}; HF Llama (16 layers, d 1024, vocab "
@@ -356,20 +316,18 @@ def main() -> None:
         "steady_real_tokens_per_s: the stream run again after it (every length compiled; with CUDA graphs the "
         "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
         "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
-        "nothing (a sync after each); padding: "
-        "positions / real tokens - 1 (the collator's own padding included); recompiles_after_warmup: a frame's "
+        "nothing (a sync after each); padding: positions / real tokens - 1 (the collator's own padding included); "
+        "recompiles_after_warmup: a frame's "
         "compiles after its first, bucket warm-up's aside; vs_plain_total_at_most: total_s / the seconds plain ran "
         "before its timeout stopped it",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
-        f"environment: {json.dumps(environment())}",
     ]
     title = "Variable-length batches on HF Llama: plain torch.compile vs dynamic vs buckets"
     rows = []
     for variant in args.variants:
         timeout = args.plain_timeout if variant == "plain" and args.plain_timeout else args.variant_timeout
         log = args.out.with_name(f"{args.out.stem}.errors.log")
-        result = run_fresh(__file__, ["--worker", variant, *sys.argv[1:]], timeout, log=log)
-        result.pop("process_s")
+        result = common.fresh_row(__file__, ["--worker", variant, *sys.argv[1:]], timeout, log=log)
         if result.get("error", "").startswith("timed out"):
             rows.append({"variant": variant, "error": f"did not finish within {timeout} s", "ran_s": timeout})
         elif "error" in result:
@@ -378,9 +336,9 @@ def main() -> None:
         else:
             rows.append(result)
             print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
-        add_ratios(rows)
-        write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)  # after each: a cut-short run keeps its rows
-    print_table(COLUMNS, rows, baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)")
+        add_ratios(rows)  # and the file written after each variant: a cut-short run keeps its rows
+        common.write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)
+    common.print_table(COLUMNS, rows, baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)")
 
 
 if __name__ == "__main__":

@@ -1,24 +1,15 @@
 """The callback dropped into a plain LightningModule, as a user runs it: ``Trainer(precision="bf16-mixed")``, fused
-AdamW, no telemetry configuration. HF Llama (16 layers, d 1024, ``use_cache=False``, batch 8 x 1024; a dict batch
-with ``input_ids``, ``attention_mask`` and ``labels``) and timm ViT-B/16 (batch 64 x 224²), each under: eager, the
-inner model ``torch.compile``d by hand, and ``CompileCallback`` with ``regional``, ``regional_background`` and
-``full``. Each variant is a fresh process with empty Inductor and Triton caches.
-
-Per row: the first step and the median steady step (the benchmark's own CUDA-event clock), tokens/s or images/s
-and MFU from them (FLOPs counted once per model by ``FlopCounterMode`` on the eager model), and next to them the
-callback's summary figures (``steady_items_per_s`` or ``steady_samples_per_s``, ``mfu``), with their ratio.
-
-Then the compile cache as ``train.py`` uses it, through Lightning's ``bf16-mixed`` plugin: the recipe
-``gpt2_small`` under ``regional`` and ``full``, each trained twice with ``compile.cache.dir`` (``cold`` writes the
-bundle; ``new_machine`` starts with empty Inductor and Triton caches and loads it), and ``full`` once with no cache
-(``cold_no_cache``, the base of ``vs_full_cold``). Per row: the first step, how many region calls the precompiled
-layer served and how many Dynamo traced, the graphs compiled, eager fallbacks, and captures that failed.
+AdamW, no telemetry configuration. HF Llama (16 layers, d 1024, ``use_cache=False``, 8 x 1024 tokens in a dict
+batch) and timm ViT-B/16 (64 images of 224²), each under eager, ``torch.compile`` by hand, and ``CompileCallback``
+with ``regional``, ``regional_background`` and ``full``; per row the benchmark's own clock (CUDA events: first step,
+median steady step, items/s, MFU from ``FlopCounterMode``) beside the callback's summary and their ratio. Then the
+compile cache through ``train.py`` (recipe ``gpt2_small``, ``regional`` and ``full``): ``cold`` writes the bundle,
+``new_machine`` loads it with empty Inductor/Triton caches, ``full`` ``cold_no_cache`` is the base of
+``vs_full_cold``. Each variant a fresh process with empty compile caches.
 
     python benchmarks/lightning_dropin.py --out benchmarks/results/lightning_dropin.json
     python benchmarks/lightning_dropin.py --models llama --cache-policies '' --out /tmp/llama.json   # one part
     python benchmarks/lightning_dropin.py --smoke --out /tmp/dropin.json     # CPU, tiny models, aot_eager
-
-Importable without hydra and wandb (the GPU image has neither; omegaconf is carried).
 """
 
 from __future__ import annotations
@@ -36,15 +27,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.common import (  # noqa: E402
-    PEAK_BF16_FLOPS,
-    StepTimer,
-    print_table,
-    quiet_trainer,
-    run_fresh,
-    worker,
-    write_result,
-)
+from benchmarks import common  # noqa: E402
 from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
@@ -107,7 +90,7 @@ def step_clock(device: torch.device) -> Any:
 
     class StepClock(pl.Callback):
         def __init__(self) -> None:
-            self.timer, self.started = StepTimer(device), None
+            self.timer, self.started = common.StepTimer(device), None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.started = self.timer.start()
@@ -119,14 +102,13 @@ def step_clock(device: torch.device) -> Any:
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
-
     from compile_trainer import CompileCallback
 
-    on_gpu = torch.cuda.is_available() and not args.smoke
+    device = common.device_for(args.smoke)
+    on_gpu = device.type == "cuda"
     torch.manual_seed(0)
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
-    device = torch.device("cuda" if on_gpu else "cpu")
     # real_models' FLOP count: a language model takes its ids as labels, a classifier (images, labels) with its loss
     if args.model == "llama":
         flops = count_flops("lm", net.to(device), data[0]["input_ids"].to(device), autocast=on_gpu)
@@ -141,13 +123,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         compile_callback = CompileCallback(args.variant, **({"backend": "aot_eager"} if args.smoke else {}))
         callbacks.append(compile_callback)
     clock = step_clock(device)
-    trainer = quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
+    trainer = common.quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
     trainer.fit(make_module(args.model, net), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     units = "tokens" if args.model == "llama" else "images"
     per_step = data[0]["input_ids"].numel() if args.model == "llama" else data[0][0].shape[0]
-    peak = next((p for key, p in PEAK_BF16_FLOPS.items() if on_gpu and key in torch.cuda.get_device_name()), None)
+    peak = common.peak_flops(device)
     row = {"model": args.model, "variant": args.variant, "first_step_s": seconds[0], "step_ms": step * 1e3}
     row |= {"units": units, "per_s": per_step / step, "mfu": flops / step / peak if peak else None, "error": None}
     if compile_callback is not None:
@@ -195,10 +177,8 @@ def train_py(args: argparse.Namespace) -> Dict[str, Any]:
 
 def run_cache(args: argparse.Namespace, policy: str, phase: str, bundle: Path) -> Dict[str, Any]:
     command = ["--worker", "--cache-run", f"{policy}:{phase}", "--bundle", str(bundle), "--steps", str(args.steps)]
-    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
-    result.pop("process_s")
     row = {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}"}
-    return result if not result.get("error") else row | {"error": result["error"]}
+    return common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, row)
 
 
 def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -221,32 +201,23 @@ def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
     command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
-    result = run_fresh(__file__, command + ["--smoke"] * args.smoke, args.timeout)
-    result.pop("process_s")
-    return result if not result.get("error") else {"model": model, "variant": variant, "error": result["error"]}
+    row = {"model": model, "variant": variant}
+    return common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, row)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "lightning_dropin.json")
-    parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, backend aot_eager")
+    parser = common.arguments(__doc__, "lightning_dropin", "CPU, tiny models, backend aot_eager")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--steps", type=int, default=None, help="training steps a variant (50; 4 with --smoke)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds a variant may take")
-    parser.add_argument(
-        "--cache-policies", default=",".join(CACHE_POLICIES), help="train.py cache runs of these ('' for none)"
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--cache-run", help=argparse.SUPPRESS)
-    parser.add_argument("--bundle", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--variant", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--cache-policies", default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)")
+    common.hidden(parser, "--cache-run", "--bundle", "--model", "--variant")
+    common.hidden(parser, "--worker", action="store_true")
     args = parser.parse_args()
     args.steps = args.steps or (4 if args.smoke else 50)
     if args.worker:
-        return worker(args.worker_out, lambda: train_py(args) if args.cache_run else measure(args), args.timeout)
+        return common.worker(args.worker_out, lambda: train_py(args) if args.cache_run else measure(args), args.timeout)
     models = [m for m in args.models.split(",") if m]
     rows = [run_variant(args, m, v) for m in models for v in args.variants.split(",")]
     rows += cache_rows(args)
@@ -263,10 +234,10 @@ def main() -> None:
         "against full's cold_no_cache (goal: <= 0.03 on a new machine, with 0 traced, 0 fallbacks, 0 failed "
         "captures).",
     ]
-    write_result(
-        Path(args.out), "lightning_dropin", "The callback dropped into a plain LightningModule", COLUMNS, rows, notes
+    common.write_result(
+        args.out, "lightning_dropin", "The callback dropped into a plain LightningModule", COLUMNS, rows, notes
     )
-    print_table(COLUMNS, rows, baseline="the benchmark's own clock (summary_*_vs_own)")
+    common.print_table(COLUMNS, rows, baseline="the benchmark's own clock (summary_*_vs_own)")
 
 
 if __name__ == "__main__":

@@ -34,33 +34,17 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 EXPERIMENTS = "experiments"
 # Headline sections in this order; other headline files follow alphabetically, then the sweeps.
-HEADLINE_ORDER = [
-    "train_step",
-    "real_models",
-    "compile_cache",
-    "optimizer",
-    "dynamic_shapes",
-    "telemetry_overhead",
-    "cuda_graph_checks",
-]
+HEADLINE_ORDER = "train_step real_models compile_cache optimizer dynamic_shapes telemetry_overhead cuda_graph_checks"
+HEADLINE_ORDER = HEADLINE_ORDER.split()
 # Experiment sections grouped by question, in this order; other experiment files follow, newest first.
 EXPERIMENT_ORDER = [
-    "train_step_regional_rest_compile",
-    "train_step_regional_goal_200_steps",
-    "train_step_regional_goal_200_steps_fx_race_failure",
-    "train_step_lightning_vs_raw_30_steps_cudagraphs",
-    "train_step_lightning_vs_raw_30_steps_background_autocast_fix",
-    "train_step_lightning_vs_raw_30_steps_order_swapped",
-    "train_step_lightning_vs_raw_30_steps_regional",
-    "train_step_lightning_vs_raw_30_steps_interval_logging",
-    "train_step_lightning_vs_raw_30_steps_cpp_wrapper",
-    "train_step_lightning_vs_raw_30_steps_repeated",
-    "train_step_lightning_vs_raw_200_steps",
-    "train_step_lightning_vs_raw_200_steps_gc_freeze",
-    "train_step_lightning_batches_on_gpu",
-    "train_step_lightning_vs_raw_kernel_profile",
-    "train_step_lightning_vs_raw_host_profile",
-    "train_step_slower_host_earlier_full_run",
+    f"train_step_{name}"
+    for name in """regional_rest_compile regional_goal_200_steps regional_goal_200_steps_fx_race_failure
+    lightning_vs_raw_30_steps_cudagraphs lightning_vs_raw_30_steps_background_autocast_fix
+    lightning_vs_raw_30_steps_order_swapped lightning_vs_raw_30_steps_regional
+    lightning_vs_raw_30_steps_interval_logging lightning_vs_raw_30_steps_cpp_wrapper lightning_vs_raw_30_steps_repeated
+    lightning_vs_raw_200_steps lightning_vs_raw_200_steps_gc_freeze lightning_batches_on_gpu
+    lightning_vs_raw_kernel_profile lightning_vs_raw_host_profile slower_host_earlier_full_run""".split()
 ]
 PHASES = ("total_wall_time", "entire_frame_compile", "entire_backward_compile", "backend_compile", "code_gen")
 # The files the train-step plot is drawn from: the headline, or while there is none, the former headline.
@@ -129,11 +113,8 @@ def result_body(path: str, result: Dict[str, Any], headline: bool = False) -> Li
             if row.get("host_profile"):
                 lines.append(f"- {row['variant']}: " + "; ".join(row["host_profile"][:8]))
     else:  # a flat result: one row per scalar field
-        scalars = {
-            k: v
-            for k, v in result.items()
-            if not isinstance(v, (dict, list)) and k not in ("title", "recorded", "benchmark")
-        }
+        skipped = ("title", "recorded", "benchmark")
+        scalars = {k: v for k, v in result.items() if not isinstance(v, (dict, list)) and k not in skipped}
         lines += ["| field | value |", "|---|---|"] + [f"| {k} | {cell(v)} |" for k, v in scalars.items()]
     return lines + [""]
 
@@ -184,25 +165,16 @@ def sweep_body(path: str, sweep: Dict[str, Any], out_dir: Path) -> List[str]:
         summary = run.get("summary", {})
         tps = summary.get("steady_items_per_s")
         peak = summary.get("peak_memory_bytes")
-        rows.append(
-            {
-                "policy": run.get("policy"),
-                "status": run.get("status"),
-                "compile_s": summary.get("compile_time_s"),
-                "first_step_s": summary.get("first_step_time_s"),
-                "steady_step_ms": None
-                if summary.get("steady_step_time_s") is None
-                else summary["steady_step_time_s"] * 1e3,
-                "tokens_per_s": tps,
-                "vs_none": None if not (tps and base_tps) else tps / base_tps,
-                "mfu": summary.get("mfu"),
-                "recompiles": summary.get("recompiles"),
-                "graph_breaks": summary.get("graph_breaks"),
-                "peak_mem_gib": None if peak is None else peak / 2**30,
-                "final_val_loss": run.get("final_val_loss"),
-                "error": run.get("error"),
-            }
-        )
+        step = summary.get("steady_step_time_s")
+        row = {"policy": run.get("policy"), "status": run.get("status"), "compile_s": summary.get("compile_time_s")}
+        row |= {
+            "first_step_s": summary.get("first_step_time_s"),
+            "steady_step_ms": None if step is None else step * 1e3,
+        }
+        row |= {"tokens_per_s": tps, "vs_none": None if not (tps and base_tps) else tps / base_tps}
+        row |= {k: summary.get(k) for k in ("mfu", "recompiles", "graph_breaks")}
+        row |= {"peak_mem_gib": None if peak is None else peak / 2**30}
+        rows.append(row | {"final_val_loss": run.get("final_val_loss"), "error": run.get("error")})
     lines += markdown_table(list(rows[0]), rows) + [""]
     lines.append(
         f"- {first.get('steps')} steps per run, seed {first.get('seed')}, precision {first.get('precision')}, "
@@ -229,13 +201,8 @@ def train_step_plot(result: Dict[str, Any], path: Path) -> bool:
     for row in rows:
         marker = "s" if row["loop"] == "lightning" else "o"
         color = ax.scatter(row["first_step_s"], row["tokens_per_s"] / 1e3, marker=marker).get_facecolor()[0]
-        ax.annotate(
-            row["variant"],
-            (row["first_step_s"], row["tokens_per_s"] / 1e3),
-            fontsize=8,
-            xytext=(4, 3),
-            textcoords="offset points",
-        )
+        point = (row["first_step_s"], row["tokens_per_s"] / 1e3)
+        ax.annotate(row["variant"], point, fontsize=8, xytext=(4, 3), textcoords="offset points")
         if row.get("compiled_after_s"):  # a background compile: eager from the first step, compiled from here
             ax.plot([row["first_step_s"], row["compiled_after_s"]], [row["tokens_per_s"] / 1e3] * 2, ":", color=color)
             ax.scatter(

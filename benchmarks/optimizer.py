@@ -1,50 +1,17 @@
 """Optimizer-step benchmark: AdamW over GPT-2 small's parameters with torch's foreach and fused kernels,
-``torch.compile`` of a function calling ``opt.step()`` and this project's compiled step, each with and without
-gradient clipping by norm (``clip_grad_norm_(1.0)``), side by side in one process; then the recipe's GPT-2 small
-trained end to end (Lightning, ``regional``, bf16), each road in its own process (``benchmarks/train_step.py``'s
-worker): fused AdamW, fused after ``clip_grad_norm_`` (what a Lightning user who clips writes: Lightning refuses
-``gradient_clip_val`` with fused AdamW under mixed precision), foreach with ``gradient_clip_val``, and this
-project's step (compiled, and ``auto``) with and without ``gradient_clip_val``; the same training with no update
-is subtracted from each training step to give the road's step time where a real backward runs beside it.
-
-GPU run (GPT-2 small's 124M fp32 parameters, 1,000 scheduled steps per variant; about 5 minutes, and 7 more for
-the training rows; or split in two, ``--append`` adding to the first's file):
+``torch.compile`` of ``opt.step()`` and this project's compiled step, with and without ``clip_grad_norm_(1.0)``, in
+one process: the step alone, and in training behind a cheap backward (less that backward alone); then GPT-2 small
+trained end to end (Lightning, ``regional``, bf16; ``benchmarks/train_step.py``'s worker), less the same training
+with no update. Rows, columns and how each is timed: docs/optimizer.md ("The benchmark"). GPU run (1,000 steps per
+variant; about 5 minutes, and 7 more for the training rows; or split in two, ``--append`` adding to the first's):
 
     python benchmarks/optimizer.py --out benchmarks/results/optimizer.json
     python benchmarks/optimizer.py --no-end-to-end --out benchmarks/results/optimizer.json
     python benchmarks/optimizer.py --only-end-to-end --append --out benchmarks/results/optimizer.json
 
-CPU smoke run (tiny model, aot_eager backend, the Triton kernel interpreted), as CI runs it:
+CPU smoke run (tiny model, aot_eager, the Triton kernel interpreted), as CI runs it:
 
     TRITON_INTERPRET=1 python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json
-
-Every variant starts from the same parameters, gradients and optimizer state, with fresh Inductor caches, and
-runs the same warm-up + cosine LR schedule (stepped after every optimizer step, outside the timed region).
-Two ways of giving the step its gradients:
-
-- the step alone: before every step each parameter's ``.grad`` is set to its own gradient tensor again, as after
-  a backward that followed ``zero_grad(set_to_none=True)``; a step that gathers gradients into flat buffers pays
-  that copy in its time;
-- in training (rows ``... (in training)``): a real backward through a cheap graph, the same for every road, gives
-  each parameter a new gradient tensor with the same values; backward + step is timed, so the gradient hooks'
-  work (this project's copy into the flat buffer) is inside it; the
-  backward alone (no optimizer, no hooks) is timed once and subtracted to give each road's step time. This
-  backward issues a few small kernels per parameter; where it is launch-bound (``host_ms`` near
-  ``backward_step_ms``), the hooks' launches count in full here, where a model's backward would hide them
-  behind its own kernels.
-
-Columns: ``step_ms``, the median step time (CUDA events around ``step()``; in training, backward + step less the
-backward alone); ``backward_step_ms``, in training, the median of backward + step; ``ratio`` and ``ratio_total``:
-this road's step time, and its backward + step time, over its reference's (fused, or fused + ``clip_grad_norm_``
-for the rows that clip; in training, the reference's in-training row): the goal's measures (at most 1 without
-clipping, at most 0.65 with); ``vs_fused``, the inverse of ``ratio``; effective bandwidth (7 x parameter bytes:
-read param, grad, exp_avg, exp_avg_sq; write three); host time to issue a step and, from the profiler, GPU time
-in kernels and kernels per step (step time near host time: launch- or guard-bound; near GPU time:
-bandwidth-bound); wall time of the first steps (compile, auto's trial) and Dynamo's compile time; recompiles and
-graph breaks over all steps; the largest parameter difference from torch's for-loop AdamW (``foreach=False``,
-the implementation the compiled update follows op for op; clipped rows: for-loop AdamW after a for-loop
-``clip_grad_norm_``), relative to the tensor's largest value after 100 steps and absolute at the end. The
-``copy floor`` row is a device copy of the parameter bytes, scaled to AdamW's 7 passes.
 """
 
 from __future__ import annotations
@@ -63,10 +30,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch._dynamo.utils import counters, get_compilation_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile, print_table, write_result  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
@@ -102,16 +69,8 @@ GATHERED_IN_BACKWARD = ("compile_trainer inductor + clip, gradients already in t
 # torch's single-tensor AdamW (+ clip_grad_norm_ over the same for-loop): the implementation the compiled update
 # follows op for op, and every variant's parity reference (fused is another rounding of the same update).
 EAGER = "eager for-loop"
-VARIANTS = (
-    EAGER,
-    EAGER + CLIPPED,
-    "foreach",
-    "fused",
-    "fused + clip",
-    "torch.compile(opt.step)",
-    "torch.compile(opt.step) + clip",
-    *POLICIES,
-)
+VARIANTS = (EAGER, EAGER + CLIPPED, "foreach", "fused", "fused + clip", "torch.compile(opt.step)")
+VARIANTS += ("torch.compile(opt.step) + clip", *POLICIES)
 GPU_ONLY = ("compile_trainer reduce-overhead + clip",)
 # The step as training sees it: gradients from a real backward (the same cheap graph for every road), timed as
 # backward + step; the backward alone is timed once, without optimizer hooks, and subtracted.
@@ -141,35 +100,13 @@ END_TO_END = {
 }
 # Rows timed with more than the step around it: (the row with nothing but that, the column holding the time).
 WITH_MORE = {IN_TRAINING: (BACKWARD_ALONE, "backward_step_ms"), END_TO_END_SUFFIX: (NO_UPDATE, "training_step_ms")}
-COLUMNS = [
-    "variant",
-    "step_ms",
-    "backward_step_ms",
-    "training_step_ms",
-    "ratio",
-    "ratio_total",
-    "gb_per_s",
-    "vs_fused",
-    "host_ms",
-    "gpu_kernel_ms",
-    "kernels_per_step",
-    "first_steps_s",
-    "compile_s",
-    "recompiles",
-    "graph_breaks",
-    "max_rel_diff_at_100",
-    "max_abs_diff",
-    "tokens_per_s",
-    "error",
-]
-COMPILE_PHASES = {  # CompilationMetrics fields (microseconds), reported in seconds
-    "dynamo": "dynamo_cumulative_compile_time_us",
-    "aot_autograd": "aot_autograd_cumulative_compile_time_us",
-    "inductor": "inductor_cumulative_compile_time_us",
-    "inductor_code_gen": "inductor_code_gen_cumulative_compile_time_us",
-    "triton_compile": "triton_compile_time_us",
-    "runtime_triton_autotune": "runtime_triton_autotune_time_us",
-}
+COLUMNS = """variant step_ms backward_step_ms training_step_ms ratio ratio_total gb_per_s vs_fused host_ms
+gpu_kernel_ms kernels_per_step first_steps_s compile_s recompiles graph_breaks max_rel_diff_at_100 max_abs_diff
+tokens_per_s error""".split()
+# CompilationMetrics fields (microseconds), reported in seconds
+COMPILE_PHASES = {phase: f"{phase}_cumulative_compile_time_us" for phase in ("dynamo", "aot_autograd", "inductor")}
+COMPILE_PHASES |= {"inductor_code_gen": "inductor_code_gen_cumulative_compile_time_us"}
+COMPILE_PHASES |= {name: f"{name}_time_us" for name in ("triton_compile", "runtime_triton_autotune")}
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -376,9 +313,7 @@ def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int,
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "optimizer.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager, 20 steps")
+    parser = common.arguments(__doc__, "optimizer", "tiny model on the CPU with aot_eager, 20 steps")
     parser.add_argument("--steps", type=int, help="scheduled steps per variant (default 1000; smoke 20)")
     parser.add_argument("--backend", help="torch.compile backend (default inductor; smoke aot_eager)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
@@ -387,14 +322,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         "--end-to-end", action=argparse.BooleanOptionalAction, help="also train GPT-2 small (default: on a GPU)"
     )
     parser.add_argument("--only-end-to-end", action="store_true", help="only the GPT-2 small training rows")
-    parser.add_argument(
-        "--end-to-end-rows", nargs="+", choices=list(END_TO_END), help="which training rows (default: all)"
-    )
-    parser.add_argument(
-        "--append", action="store_true", help="keep --out's rows that this run does not measure (a run split in two)"
-    )
+    parser.add_argument("--end-to-end-rows", nargs="+", choices=list(END_TO_END), help="default: all")
+    parser.add_argument("--append", action="store_true", help="keep --out's rows that this run does not measure")
     args = parser.parse_args(argv)
-    args.device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    args.device = common.device_for(args.smoke)
     args.steps = args.steps or (20 if args.smoke else 1000)
     args.backend = args.backend or ("aot_eager" if args.smoke else "inductor")
     args.variants = args.variants or [v for v in VARIANTS if args.device.type == "cuda" or v not in GPU_ONLY]
@@ -447,7 +378,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         finished = with_ratios(earlier_rows + rows) + [floor]
         notes = notes_for(finished, args, params, param_bytes)
         notes = earlier_notes + [note for note in notes if note not in earlier_notes]
-        write_result(args.out, "optimizer", title, COLUMNS, finished, notes)
+        common.write_result(args.out, "optimizer", title, COLUMNS, finished, notes)
         return finished
 
     references: Dict[str, List[List[torch.Tensor]]] = {}
@@ -474,7 +405,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         print(f"{name}: {rows[-1]}", flush=True)
         save()
     finished = save()
-    print_table(COLUMNS, finished, baseline="fused, or fused + clip for the rows that clip (ratio, vs_fused)")
+    common.print_table(COLUMNS, finished, baseline="fused, or fused + clip for the rows that clip (ratio, vs_fused)")
     print("\n".join(notes_for(finished, args, params, param_bytes)))
     return finished
 

@@ -1,28 +1,20 @@
 """Real models: eager vs torch.compile vs accelerate's compile_regions vs the bundled policies, side by side.
 
-Four models off the shelf, random weights, each trained for a few steps under every variant: HF Llama
-(LlamaForCausalLM: vocab 32000, hidden 1024, intermediate 2816, 16 layers, 16 heads / 8 KV heads; batch 8 x 1024
-tokens), HF GPT-2 small (GPT2LMHeadModel; batch 8 x 1024 tokens), ViT-B/16 and ResNet-50 (timm, or transformers'
-ViT/ResNet where timm is not installed; batch 64 x 3 x 224 x 224, cross-entropy on random labels inside a wrapper
-module, so the loss is part of the model). bf16 autocast, fused AdamW. Each variant runs in a fresh process with
-empty Inductor/Triton caches (``--isolation variant``), so its first step shows the cold compile a user pays.
-
-GPU run, split in two commands that each fit in 10 minutes (``--append`` merges the second into the first's file):
+HF Llama (16 layers, d 1024, 16 heads / 8 KV heads, vocab 32000; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens),
+ViT-B/16 and ResNet-50 (timm, or transformers' where timm is not installed; 64 images of 224², the loss inside a
+wrapper), random weights, bf16 autocast, fused AdamW; each variant in a fresh process with empty compile caches
+(``--isolation variant``), so its first step shows the cold compile a user pays. GPU run, in two 10-minute commands:
 
     python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
     python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
 
-The models as users configure them for training (``--models`` beyond the default four): ``llama_default`` (the
-Llama with its config's defaults, ``use_cache=True``), ``convnext_tiny`` (timm, or transformers' ConvNeXt-T),
-``vit_drop_path`` (timm's ViT-B/16 with ``drop_path_rate=0.1``, or transformers' BEiT of that shape) and
-``t5_base`` (T5ForConditionalGeneration of t5-base's shape, 12 + 12 layers, d 768, 8 x 512 tokens), e.g.
+The models as users configure them (issue 31): ``llama_default`` (``use_cache=True``), ``convnext_tiny``,
+``vit_drop_path`` (``drop_path_rate=0.1``; transformers' BEiT without timm) and ``t5_base`` (8 x 512 tokens):
 
     python benchmarks/real_models.py --models llama_default t5_base --policies regional --append
     python benchmarks/real_models.py --models convnext_tiny vit_drop_path --policies regional --append
 
-CPU smoke run (tiny configs of the same families, aot_eager backend, all in one process), as the tests run it:
-
-    python benchmarks/real_models.py --smoke --out /tmp/real_models.json
+CPU smoke run (tiny configs, aot_eager, all in one process): ``python benchmarks/real_models.py --smoke --out x``.
 """
 
 from __future__ import annotations
@@ -40,24 +32,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    environment,
-    frame_compile_seconds,
-    fresh_compiler_state,
-    peak_flops,
-    print_table,
-    recompile_reasons,
-    run_fresh,
-    split_variant,
-    time_steps,
-    timed,
-    with_rule_changes,
-    worker,
-    write_result,
-)
+from benchmarks import common  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -70,35 +47,21 @@ class ModelSpec:
     unit: str
 
 
-MODELS = {
-    "llama": ModelSpec("lm", 8, 1024, "tokens"),
-    "gpt2": ModelSpec("lm", 8, 1024, "tokens"),
-    "vit": ModelSpec("vision", 64, 224, "images"),
-    "resnet50": ModelSpec("vision", 64, 224, "images"),
-    # as users configure them for training (issue 31): the config's defaults, stochastic depth, stages, two stacks
-    "llama_default": ModelSpec("lm", 8, 1024, "tokens"),
-    "convnext_tiny": ModelSpec("vision", 64, 224, "images"),
-    "vit_drop_path": ModelSpec("vision", 64, 224, "images"),
-    "t5_base": ModelSpec("lm", 8, 512, "tokens"),
-}
+LM, VISION = ModelSpec("lm", 8, 1024, "tokens"), ModelSpec("vision", 64, 224, "images")
+# the last four as users configure them for training (issue 31): config defaults, stochastic depth, stages, 2 stacks
+MODELS = {"llama": LM, "gpt2": LM, "vit": VISION, "resnet50": VISION, "llama_default": LM}
+MODELS |= {"convnext_tiny": VISION, "vit_drop_path": VISION, "t5_base": ModelSpec("lm", 8, 512, "tokens")}
 DEFAULT_MODELS = ["llama", "gpt2", "vit", "resnet50"]
-# For the time estimate only: seconds of a cold first step on an H100 (torch 2.11). Measured there on 2026-11-23
-# (--isolation run, so a little warm): llama reduce-overhead 51 s, regional 12 s; vit reduce-overhead 26 s,
-# compile_regions 22 s, regional 7 s. The rest are guesses; "policy" is any policy (nested ones x 1.5). Each worker
-# process adds PROCESS_GUESS_S: imports, CUDA, the model, the FLOP count, the timed steps.
+# For the time estimate only: seconds of a cold first step on an H100 (torch 2.11), measured 2026-11-23 for llama
+# and vit (a little warm), the rest guessed; "policy" is any policy (nested ones x 1.5), per peer in PEERS' order
+# from torch_compile; each worker process adds PROCESS_GUESS_S (imports, CUDA, the model, FLOPs, timed steps).
 COMPILE_GUESS = {
-    "llama": {"torch_compile": 48, "torch_compile_reduce_overhead": 52, "compile_regions": 14, "policy": 12},
-    "gpt2": {"torch_compile": 28, "torch_compile_reduce_overhead": 31, "compile_regions": 11, "policy": 12},
-    "vit": {"torch_compile": 24, "torch_compile_reduce_overhead": 26, "compile_regions": 22, "policy": 7},
-    "resnet50": {"torch_compile": 40, "torch_compile_reduce_overhead": 45, "compile_regions": 40, "policy": 20},
-    "llama_default": {"torch_compile": 66, "torch_compile_reduce_overhead": 69, "compile_regions": 20, "policy": 25},
-    "convnext_tiny": {"torch_compile": 54, "torch_compile_reduce_overhead": 57, "compile_regions": 54, "policy": 30},
-    "vit_drop_path": {"torch_compile": 24, "torch_compile_reduce_overhead": 26, "compile_regions": 22, "policy": 10},
-    "t5_base": {"torch_compile": 60, "torch_compile_reduce_overhead": 64, "compile_regions": 25, "policy": 25},
-}
+    "llama": (48, 52, 14, 12), "gpt2": (28, 31, 11, 12), "vit": (24, 26, 22, 7), "resnet50": (40, 45, 40, 20),
+    "llama_default": (66, 69, 20, 25), "convnext_tiny": (54, 57, 54, 30), "vit_drop_path": (24, 26, 22, 10),
+    "t5_base": (60, 64, 25, 25),
+}  # fmt: skip
 PROCESS_GUESS_S = 15
-SMOKE_BATCH = {"lm": (2, 32), "vision": (2, 32)}
-
+SMOKE_BATCH = (2, 32)  # sequences of 32 tokens, or images of 32 x 32
 PEERS = {
     "eager": "none",
     "torch_compile": "torch.compile(model)",
@@ -108,27 +71,19 @@ PEERS = {
 FULL_COMPILES = ("torch_compile", "torch_compile_reduce_overhead")
 POLICY_PREFIX = "policy_"
 DEFAULT_POLICIES = ["regional", "regional_split", "regional_nested"]
-SMOKE_VARIANTS = ["eager", "torch_compile", "compile_regions"]
-SMOKE_POLICIES = ["regional", "regional_nested"]
-# What a reader of a model's rows should know, added to the notes when the model runs.
-CACHE_NOTE = (
-    "{model}: built with use_cache=False, as the regional plan advises: with a KV cache (the config's default) each "
-    "decoder layer reads its layer_idx, in training too, and gets a compiled graph of its own"
-)
-MODEL_NOTES = {
-    "llama": CACHE_NOTE.format(model="llama"),
+SMOKE_VARIANTS, SMOKE_POLICIES = ["eager", "torch_compile", "compile_regions"], ["regional", "regional_nested"]
+CACHE_NOTE = "{}: built with use_cache=False, as the regional plan advises (with a KV cache each decoder layer reads"
+CACHE_NOTE += " its layer_idx, in training too, and gets a compiled graph of its own)"
+MODEL_NOTES = {  # what a reader of a model's rows should know, in the notes when the model runs
+    "llama": CACHE_NOTE.format("llama"),
     "llama_default": "llama_default: the llama's shape with its config's defaults (use_cache=True)",
     "vit_drop_path": "vit_drop_path: drop_path_rate=0.1, each block its own rate (random: losses differ by variant)",
-    "t5_base": "t5_base: t5-base's shape (12 + 12 layers, d 768), the config's defaults but dropout; 8 x 512 tokens "
-    "in and out (the labels are the inputs)",
-    "gpt2": CACHE_NOTE.format(model="gpt2") + "; GPT2LMHeadModel has no loss_type its loss_function knows, so each "
-    "call logs a warning_once, which Dynamo does not trace: a graph break where the loss is compiled with the model "
-    "(the policies have Dynamo drop that call)",
+    "t5_base": "t5_base: t5-base's shape (12 + 12 layers, d 768), no dropout; 8 x 512 tokens in and out",
+    "gpt2": CACHE_NOTE.format("gpt2") + "; its loss_function logs a warning_once per call, a graph break where the "
+    "loss is compiled with the model (the policies have Dynamo drop that call)",
 }
-TIMM_NOTE = (
-    "accelerate's compile_regions looks for repeated blocks in ModuleLists only; timm's ViT and ResNet hold theirs "
-    "in nn.Sequential, so on them it compiles the whole model"
-)
+TIMM_NOTE = "accelerate's compile_regions finds repeated blocks in ModuleLists only: on timm's models (nn.Sequential)"
+TIMM_NOTE += " it compiles the whole model"
 LOSSES_COMPARED = 5  # the first steps' losses compared with eager's
 
 
@@ -143,14 +98,11 @@ def describe(variant: str) -> str:
 def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
     """A policy variant's bundled policy and its ``rest`` override: ``policy_regional@rest=eager`` runs the
     bundled ``regional`` with every rule's ``rest`` set to ``eager`` (an experiment on what the rest costs)."""
-    name, overrides = split_variant(variant[len(POLICY_PREFIX) :])
+    name, overrides = common.split_variant(variant[len(POLICY_PREFIX) :])
     rest = overrides.pop("rest", None)
     if overrides:
         raise ValueError(f"variant {variant!r}: only @rest=... is understood here, not @{', @'.join(overrides)}")
     return name, rest or None
-
-
-# -- the models ----------------------------------------------------------------------------------------------
 
 
 class WithLoss(nn.Module):
@@ -197,58 +149,44 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
             sizes = dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=256)
         # t5-base's config also sets the decoder's start token (transformers' T5Config has none by default)
         config = transformers.T5Config(**sizes, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-        return (
-            transformers.T5ForConditionalGeneration(config),
-            "transformers T5ForConditionalGeneration",
-            config.vocab_size,
-        )
-    classes = 10 if smoke else 1000
-    return _vision_model(name, smoke, classes)
+        model = transformers.T5ForConditionalGeneration(config)
+        return model, "transformers T5ForConditionalGeneration", config.vocab_size
+    return _vision_model(name, smoke, 10 if smoke else 1000)
 
 
 def _vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, int]:
-    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI)."""
+    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI): its
+    ``<prefix>Config`` defaults are ViT-B/16, ResNet-50 and ConvNeXt-T; its ViT has no stochastic depth, BEiT has."""
     import transformers
 
-    timm_vit_tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
-    timm_name, timm_tiny, timm_extra = {
-        "vit": ("vit_base_patch16_224", timm_vit_tiny, {}),
-        "vit_drop_path": ("vit_base_patch16_224", timm_vit_tiny, dict(drop_path_rate=0.1)),
-        "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), {}),
-        "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), {}),
+    vit = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
+    hf_vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    hf_vit |= dict(intermediate_size=64)
+    hf_resnet = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2])
+    convnext = dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1])
+    # name: timm's model and its tiny sizes, transformers' prefix and its tiny sizes, what both add
+    timm_name, timm_tiny, prefix, tiny, extra = {
+        "vit": ("vit_base_patch16_224", vit, "ViT", hf_vit, {}),
+        "vit_drop_path": ("vit_base_patch16_224", vit, "Beit", hf_vit, dict(drop_path_rate=0.1)),
+        "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), "ResNet", hf_resnet, {}),
+        "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), "ConvNext", convnext, {}),
     }[name]
     if has_module("timm"):
         import timm
 
         tiny = timm_tiny if smoke else {}
-        net = timm.create_model(timm_name, pretrained=False, num_classes=classes, **tiny, **timm_extra)
-        return WithLoss(net), f"timm {timm_name}" + (" drop_path_rate=0.1" if timm_extra else ""), classes
-    vit_tiny = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
-    vit_tiny |= dict(intermediate_size=64)
-    if name == "vit":  # transformers' defaults are ViT-B/16 at 224
-        config = transformers.ViTConfig(**(vit_tiny if smoke else {}), num_labels=classes)
-        model, source = transformers.ViTForImageClassification(config), "transformers ViTForImageClassification"
-    elif name == "vit_drop_path":  # transformers' ViT has no stochastic depth; BEiT (ViT-B/16 by default) has
-        config = transformers.BeitConfig(**(vit_tiny if smoke else {}), drop_path_rate=0.1, num_labels=classes)
-        model, source = transformers.BeitForImageClassification(config), "transformers BeitForImageClassification"
-    elif name == "convnext_tiny":  # defaults: ConvNeXt-T
-        tiny = dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1]) if smoke else {}
-        config = transformers.ConvNextConfig(**tiny, num_labels=classes)
-        model, source = (
-            transformers.ConvNextForImageClassification(config),
-            "transformers ConvNextForImageClassification",
-        )
-    else:
-        tiny = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2]) if smoke else {}  # defaults: ResNet-50
-        config = transformers.ResNetConfig(**tiny, layer_type="bottleneck", num_labels=classes)
-        model, source = transformers.ResNetForImageClassification(config), "transformers ResNetForImageClassification"
-    return WithLoss(model), source, classes
+        net = timm.create_model(timm_name, pretrained=False, num_classes=classes, **tiny, **extra)
+        return WithLoss(net), f"timm {timm_name}" + (" drop_path_rate=0.1" if extra else ""), classes
+    extra |= dict(layer_type="bottleneck") if prefix == "ResNet" else {}
+    config = getattr(transformers, f"{prefix}Config")(**(tiny if smoke else {}), **extra, num_labels=classes)
+    model = getattr(transformers, f"{prefix}ForImageClassification")(config)
+    return WithLoss(model), f"transformers {prefix}ForImageClassification", classes
 
 
 def make_batches(name: str, smoke: bool, size: int, count: int, device: torch.device) -> Tuple[List[Any], int]:
     """``count`` batches of random data (the same in every process), and the tokens or images in one batch."""
     spec = MODELS[name]
-    batch, length = SMOKE_BATCH[spec.family] if smoke else (spec.batch, spec.size)
+    batch, length = SMOKE_BATCH if smoke else (spec.batch, spec.size)
     generator = torch.Generator().manual_seed(1)
     if spec.family == "lm":
         batches = [torch.randint(size, (batch, length), generator=generator) for _ in range(count)]
@@ -278,52 +216,20 @@ def count_flops(family: str, model: nn.Module, batch: Any, autocast: bool) -> in
 
 
 def grouped_query_attention_formulas() -> Dict[Any, Callable[..., int]]:
-    """FlopCounterMode's attention formulas, for keys and values with fewer heads than the query (Llama's 8 KV heads
-    for 16): counted as if repeated to the query's heads, which is what the kernels compute. torch < 2.13's own
-    formulas assert equal heads (seen on torch 2.11); on later ones this gives the same count as theirs."""
+    """FlopCounterMode's attention formulas for grouped-query shapes (the library's: ``compat``), counted as the
+    kernels compute them (torch < 2.13's own formulas assert equal heads)."""
     from torch.utils.flop_counter import flop_registry
 
-    aten = torch.ops.aten
-    layouts = {  # op: (index of the query among its arguments, dimension of the heads)
-        aten._scaled_dot_product_efficient_attention: (0, 1),
-        aten._scaled_dot_product_flash_attention: (0, 1),
-        aten._scaled_dot_product_cudnn_attention: (0, 1),
-        aten._scaled_dot_product_efficient_attention_backward: (1, 1),
-        aten._scaled_dot_product_flash_attention_backward: (1, 1),
-        aten._scaled_dot_product_cudnn_attention_backward: (1, 1),
-        aten._flash_attention_forward: (0, 2),
-        aten._efficient_attention_forward: (0, 2),
-        aten._flash_attention_backward: (1, 2),
-        aten._efficient_attention_backward: (1, 2),
-    }
+    from compile_trainer import compat
 
-    def repeated_heads(original: Callable[..., int], query_at: int, heads: int) -> Callable[..., int]:
-        def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
-            args_list = list(args)
-            query = args_list[query_at]
-            for index in (query_at + 1, query_at + 2):  # key, value
-                tensor = args_list[index]
-                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[heads] != query.shape[heads]:
-                    shape = list(tensor.shape)
-                    shape[heads] = query.shape[heads]
-                    args_list[index] = torch.empty(shape, device="meta")  # the formulas read its shape
-            return original(*args_list, out_val=out_val, **kwargs)
-
+    formulas = compat.grouped_query_attention_formulas(flop_registry)
+    for formula in formulas.values():
         formula._get_raw = True  # type: ignore[attr-defined]  # called with the op's arguments, not their shapes
-        return formula
-
-    return {
-        op: repeated_heads(flop_registry[op], query_at, heads)
-        for op, (query_at, heads) in layouts.items()
-        if op in flop_registry
-    }
+    return formulas
 
 
 def _device_type(batch: Any) -> str:
     return (batch if isinstance(batch, torch.Tensor) else batch[0]).device.type
-
-
-# -- one variant, in a worker process ------------------------------------------------------------------------
 
 
 def prepare(
@@ -349,7 +255,7 @@ def prepare(
     name, rest = policy_and_rest(variant)
     policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
     if rest:
-        policy = with_rule_changes(policy, rest=rest)
+        policy = common.with_rule_changes(policy, rest=rest)
     holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
     applied = apply_policy(holder, policy)
     return model, applied, False, list(applied.notes)
@@ -360,7 +266,7 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[s
     ``state`` carries the FLOP count from one variant to the next within a process."""
     from compile_trainer.telemetry.compile_events import CompileTelemetry
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = common.device_for(args.smoke)
     spec = MODELS[name]
     torch.manual_seed(0)
     with device:  # initialized where it trains: on the GPU, seconds faster than on the host
@@ -385,7 +291,7 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[s
         telemetry.uninstall()
         if applied is not None:
             applied.remove()  # and the process-wide settings it changed (the recompile limit)
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else common.peak_flops(device)
     step_s, window_s = result.pop("step_s"), result.pop("window_s")
     return {"source": source, **result} | {
         "items_per_s": items * args.steps / window_s,
@@ -419,10 +325,10 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    first_step = timed(device, lambda: step(0))
+    first_step = common.timed(device, lambda: step(0))
     for index in range(1, args.warmup):
         step(index)
-    times = time_steps(device, step, args.steps, args.warmup)
+    times = common.time_steps(device, step, args.steps, args.warmup)
     telemetry.collect()
     totals = telemetry.totals()
     return {
@@ -440,10 +346,10 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
         "compile_s": totals["compile_time_s"],
         # Each compile (a frame's forward, or its lazily compiled backward) and its seconds, in order.
         "compiles": [
-            [str(m.compile_id), m.co_name or "backward", round(frame_compile_seconds(m), 3)]
+            [str(m.compile_id), m.co_name or "backward", round(common.frame_compile_seconds(m), 3)]
             for m in get_compilation_metrics()
         ],
-        "recompile_reasons": recompile_reasons(limit=10),
+        "recompile_reasons": common.recompile_reasons(limit=10),
         "losses": [float(loss) for loss in losses],
     }
 
@@ -459,16 +365,13 @@ def run_worker(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
     for run in args.worker_runs:
         name, variant = run.split(":")
         try:
-            with fresh_compiler_state():
+            with common.fresh_compiler_state():
                 results[run] = run_variant(name, variant, args, states.setdefault(name, {}))
         except Exception as error:  # one variant's failure is its row, not the end of the run
             message = f"{type(error).__name__}: {error}".strip()[:400]
             results[run] = {"error": message, "traceback": traceback.format_exc()}
         args.worker_out.write_text(json.dumps(results))
     return results
-
-
-# -- the run: workers, budget, summary -----------------------------------------------------------------------
 
 
 def precheck(variant: str) -> Optional[str]:
@@ -493,8 +396,8 @@ def guess_seconds(name: str, variant: str) -> float:
     if variant == "eager":
         return 0.0
     if variant.startswith(POLICY_PREFIX):
-        return COMPILE_GUESS[name]["policy"] * (1.5 if variant.endswith("nested") else 1.0)
-    return COMPILE_GUESS[name][variant]
+        return COMPILE_GUESS[name][3] * (1.5 if variant.endswith("nested") else 1.0)
+    return COMPILE_GUESS[name][list(PEERS).index(variant) - 1]
 
 
 def worker_groups(runs: List[Tuple[str, str]], isolation: str) -> List[List[Tuple[str, str]]]:
@@ -502,43 +405,43 @@ def worker_groups(runs: List[Tuple[str, str]], isolation: str) -> List[List[Tupl
     if isolation == "variant":
         return [[run] for run in runs]
     if isolation == "model":
-        models = list(dict.fromkeys(name for name, _ in runs))
-        return [[run for run in runs if run[0] == name] for name in models]
+        return [[run for run in runs if run[0] == name] for name in dict.fromkeys(name for name, _ in runs)]
     return [runs] if runs else []
 
 
-def estimate(runs: List[Tuple[str, str]], isolation: str) -> Dict[str, float]:
-    """Guessed wall seconds per model on an H100 (for planning a 10-minute command; not a measurement)."""
+def estimate(runs: List[Tuple[str, str]], args: argparse.Namespace) -> None:
+    """Print the guessed wall seconds per model on an H100 (for planning a 10-minute command; not a measurement)
+    and, over ``--budget-s``, the models grouped into commands that fit."""
     per_model: Dict[str, float] = {}
-    for group in worker_groups(runs, isolation):
+    for group in worker_groups(runs, args.isolation):
         for index, (name, variant) in enumerate(group):
             start = PROCESS_GUESS_S if index == 0 else 5  # a new process, or the model built again
             per_model[name] = per_model.get(name, 0.0) + start + guess_seconds(name, variant)
-    return per_model
-
-
-def split_commands(per_model: Dict[str, float], budget: float) -> List[List[str]]:
-    """Models grouped, in order, into commands of at most ``budget`` guessed seconds each."""
-    groups: List[List[str]] = [[]]
-    used = 0.0
+    guessed, each = sum(per_model.values()), ", ".join(f"{n} ~{s:.0f} s" for n, s in per_model.items())
+    print(f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; ~{guessed:.0f} s in all, "
+          f"budget {args.budget_s:.0f} s", flush=True)  # fmt: skip
+    if guessed <= args.budget_s or args.smoke:
+        return
+    print("over budget: split it, e.g.", flush=True)
+    groups, used = [[]], 0.0
     for name, seconds in per_model.items():
-        if groups[-1] and used + seconds > budget:
-            groups.append([])
-            used = 0.0
+        if groups[-1] and used + seconds > args.budget_s:
+            groups, used = groups + [[]], 0.0
         groups[-1].append(name)
         used += seconds
-    return groups
+    for index, group in enumerate(groups):  # the first command starts the file, the others add to it
+        print(
+            f"  python benchmarks/real_models.py --models {' '.join(group)}{' --append' * bool(index)} --out {args.out}"
+        )
 
 
-def run_worker_process(
-    runs: List[Tuple[str, str]], args: argparse.Namespace, timeout: float
-) -> Dict[Tuple[str, str], Dict[str, Any]]:
+def run_worker_process(runs: List[Tuple[str, str]], args: argparse.Namespace, timeout: float) -> Dict:
     """``runs`` in one fresh process with empty compile caches (emptied again before each run); a failure's
     output and each run's traceback go to one log beside ``--out``."""
     keys = [f"{name}:{variant}" for name, variant in runs]
     log = args.out.with_name(f"{args.out.stem}.errors.log")
     passthrough = [*args.passthrough, f"--variant-timeout={int(timeout)}"]
-    results = run_fresh(__file__, ["--worker-runs", *keys, *passthrough], timeout, log=log)
+    results = common.run_fresh(__file__, ["--worker-runs", *keys, *passthrough], timeout, log=log)
     error, _ = results.pop("error", None), results.pop("process_s")
     for key in keys:
         if "traceback" in results.get(key, {}):
@@ -546,11 +449,6 @@ def run_worker_process(
                 file.write(f"==== {key} ({time.strftime('%H:%M:%S')})\n{results[key].pop('traceback').rstrip()}\n\n")
             results[key]["log"] = log.name
     return {run: results.get(key) or {"error": error or "no result"} for run, key in zip(runs, keys)}
-
-
-def rel_diff(losses: List[float], reference: List[float]) -> Optional[float]:
-    pairs = list(zip(losses, reference))
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs) if pairs else None
 
 
 def summarize(results: Dict[Tuple[str, str], Dict[str, Any]], order: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
@@ -570,7 +468,7 @@ def summarize(results: Dict[Tuple[str, str], Dict[str, Any]], order: List[Tuple[
         best_name, best = max(fulls, key=lambda item: item[1]["items_per_s"]) if fulls else (None, None)
         if "items_per_s" in eager:
             row["speedup_vs_eager"] = result["items_per_s"] / eager["items_per_s"]
-            row["loss_rel_diff_vs_eager"] = rel_diff(result["losses"], eager["losses"])
+            row["loss_rel_diff_vs_eager"] = common.rel_diff(result["losses"], eager["losses"])
         if best is not None:
             row["full_compile"] = best_name
             row["throughput_vs_full"] = result["items_per_s"] / best["items_per_s"]
@@ -581,52 +479,32 @@ def summarize(results: Dict[Tuple[str, str], Dict[str, Any]], order: List[Tuple[
     return rows
 
 
-COLUMNS = [
-    "model",
-    "variant",
-    "first_step_s",
-    "compile_s",
-    "step_ms",
-    "items_per_s",
-    "unit",
-    "speedup_vs_eager",
-    "throughput_vs_full",
-    "first_step_vs_full",
-    "full_compile",
-    "graphs",
-    "recompiles",
-    "graph_breaks",
-    "tflops",
-    "mfu",
-    "peak_mem_gib",
-    "loss_rel_diff_vs_eager",
-    "error",
-]
+COLUMNS = """model variant first_step_s compile_s step_ms items_per_s unit speedup_vs_eager throughput_vs_full
+first_step_vs_full full_compile graphs recompiles graph_breaks tflops mfu peak_mem_gib loss_rel_diff_vs_eager
+error""".split()
 # Row fields summarize() derives from the results; --append recomputes them.
 DERIVED = ("model", "variant", "compiled", "speedup_vs_eager", "loss_rel_diff_vs_eager", "full_compile")
 DERIVED += ("throughput_vs_full", "first_step_vs_full", "first_losses")
 TABLE_COLUMNS = [c for c in COLUMNS if c not in ("unit", "full_compile", "tflops")]
+TITLE = "Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies"
+ISOLATED = {
+    "variant": "a fresh process with empty Inductor/Triton caches per variant",
+    "model": "one process per model, Dynamo reset and empty Inductor/Triton caches before each variant",
+    "run": "one process for the whole run, Dynamo reset and empty Inductor/Triton caches before each variant",
+}
 
 
 def batch_text(name: str, smoke: bool) -> str:
     spec = MODELS[name]
-    batch, size = SMOKE_BATCH[spec.family] if smoke else (spec.batch, spec.size)
+    batch, size = SMOKE_BATCH if smoke else (spec.batch, spec.size)
     return f"{batch} x {size} tokens" if spec.family == "lm" else f"{batch} images of 3 x {size} x {size}"
 
 
-def write(path: Path, rows: List[Dict[str, Any]], notes: List[str], meta: Dict[str, Any]) -> None:
-    title = "Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies"
-    write_result(path, "real_models", title, COLUMNS, rows, notes, meta)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_models.json")
+    parser = common.arguments(__doc__, "real_models", "tiny configs on the CPU, aot_eager, few steps")
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--variants", nargs="*", choices=list(PEERS), help="the peers to run (default: all)")
-    parser.add_argument(
-        "--policies", nargs="*", help=f"bundled policies to run, each as policy_<name> (default: {DEFAULT_POLICIES})"
-    )
+    parser.add_argument("--policies", nargs="*", help=f"bundled policies, each as policy_<name> ({DEFAULT_POLICIES})")
     parser.add_argument("--steps", type=int, default=30, help="timed steady-state steps")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
     parser.add_argument("--backend", help="compile backend of every variant (default: inductor; the policies' own)")
@@ -634,27 +512,18 @@ def main() -> None:
     parser.add_argument("--channels-last", action="store_true", help="vision models and images in channels_last")
     parser.add_argument(
         "--isolation",
-        choices=["variant", "model", "run"],
-        help="a fresh process per variant (default; the honest cold start), or one per model, or one for the whole "
-        "run (default with --smoke), with Dynamo reset and empty Inductor/Triton caches before each variant (faster; "
-        "a first step then misses what a process compiles or loads once: imports, kernels of the runtime, CUDA)",
+        choices=list(ISOLATED),
+        help="a fresh process per variant (default; the honest cold start), per model, or one for the run (default "
+        "with --smoke); the last two miss in a first step what a process compiles or loads once (imports, CUDA)",
     )
     parser.add_argument("--variant-timeout", type=int, default=150, help="seconds per variant")
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=540,
-        help="wall seconds for the whole run: variants that would start past it are error rows, not a killed command",
-    )
+    parser.add_argument("--budget-s", type=float, default=540, help="variants that would start past it: error rows")
     parser.add_argument("--append", action="store_true", help="keep --out's rows of (model, variant)s not run now")
     parser.add_argument("--estimate", action="store_true", help="print the time estimate and exit")
-    parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU, aot_eager, few steps")
-    parser.add_argument("--worker-runs", nargs="+", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    common.hidden(parser, "--worker-runs", nargs="+")
     args = parser.parse_args()
     if args.smoke:
-        args.steps, args.warmup = min(args.steps, 3), 2
-        args.backend = args.backend or "aot_eager"
+        args.steps, args.warmup, args.backend = min(args.steps, 3), 2, args.backend or "aot_eager"
         args.isolation = args.isolation or "run"
         args.variants = SMOKE_VARIANTS if args.variants is None else args.variants
         args.policies = SMOKE_POLICIES if args.policies is None else args.policies
@@ -662,25 +531,13 @@ def main() -> None:
     args.variants = list(PEERS) if args.variants is None else args.variants
     args.policies = DEFAULT_POLICIES if args.policies is None else args.policies
     if args.worker_runs:
-        return worker(args.worker_out, lambda: run_worker(args), args.variant_timeout)
+        return common.worker(args.worker_out, lambda: run_worker(args), args.variant_timeout)
 
     variants = args.variants + [POLICY_PREFIX + p for p in args.policies]
     requested = [(name, variant) for name in args.models for variant in variants]
     why_not = {variant: precheck(variant) for variant in variants}
     runs = [(name, variant) for name, variant in requested if why_not[variant] is None]
-    per_model = estimate(runs, args.isolation)
-    guessed = sum(per_model.values())
-    each = ", ".join(f"{name} ~{seconds:.0f} s" for name, seconds in per_model.items())
-    print(
-        f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; ~{guessed:.0f} s in all, "
-        f"budget {args.budget_s:.0f} s",
-        flush=True,
-    )
-    if guessed > args.budget_s and not args.smoke:
-        print("over budget: split it, e.g.", flush=True)
-        for index, group in enumerate(split_commands(per_model, args.budget_s)):
-            append = " --append" if index else ""  # the first command starts the file, the others add to it
-            print(f"  python benchmarks/real_models.py --models {' '.join(group)}{append} --out {args.out}")
+    estimate(runs, args)
     if args.estimate:
         return
     args.passthrough = [f"--steps={args.steps}", f"--warmup={args.warmup}"]
@@ -688,7 +545,7 @@ def main() -> None:
     args.passthrough += [f"--peak-tflops={args.peak_tflops}"] if args.peak_tflops else []
     args.passthrough += [flag for flag, on in (("--smoke", args.smoke), ("--channels-last", args.channels_last)) if on]
 
-    meta = environment() | {"isolation": args.isolation}
+    meta = common.environment() | {"isolation": args.isolation}
     results: Dict[Tuple[str, str], Dict[str, Any]] = {}
     order: List[Tuple[str, str]] = []
     old: Dict[str, Any] = {"notes": []}
@@ -704,33 +561,28 @@ def main() -> None:
                 order.append((row["model"], row["variant"]))
     order += requested
     results.update({run: {"error": why_not[run[1]]} for run in requested if why_not[run[1]] is not None})
-    isolated = {
-        "variant": "a fresh process with empty Inductor/Triton caches per variant",
-        "model": "one process per model",
-        "run": "one process for the whole run",
-    }[args.isolation]
-    if args.isolation != "variant":
-        isolated += ", Dynamo reset and empty Inductor/Triton caches before each variant"
     notes = [f"{m}: {batch_text(m, args.smoke)} a step" for m in args.models]
     notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
-    if (
-        has_module("timm")
-        and {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
-        and "compile_regions" in variants
-    ):
-        notes.append(TIMM_NOTE)
+    vision = {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
+    notes += [TIMM_NOTE] if has_module("timm") and vision and "compile_regions" in variants else []
     notes += [
         f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "
-        f"steps, the first of them timed alone (first_step_s); backend {args.backend or 'inductor'}; {isolated}",
-        "random weights, random data, dropout off; bf16 autocast and fused AdamW on the GPU (fp32 on the CPU); "
-        "first_step_vs_full and throughput_vs_full: against full_compile, the faster of torch_compile and "
-        "torch_compile_reduce_overhead on the same model in the same run; loss_rel_diff_vs_eager: the largest "
-        f"relative difference of the first {LOSSES_COMPARED} losses; MFU from FlopCounterMode's count of one eager "
-        "forward and backward",
+        f"steps, the first timed alone (first_step_s); backend {args.backend or 'inductor'}; "
+        + ISOLATED[args.isolation],
+        "random weights and data, dropout off; bf16 autocast and fused AdamW on the GPU (fp32 on the CPU); *_vs_full: "
+        "against full_compile, the faster of torch_compile and torch_compile_reduce_overhead on the same model; "
+        f"loss_rel_diff_vs_eager: of the first {LOSSES_COMPARED} losses; MFU from FlopCounterMode's count of one "
+        "eager forward and backward",
     ]
     notes = old["notes"] + [note for note in notes if note not in old["notes"]]  # --append: both runs' notes
     started = time.perf_counter()
     skipped: List[Tuple[str, str]] = []
+
+    def save(done: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
+        rows, wall = summarize(results, done), {"wall_s": time.perf_counter() - started}
+        common.write_result(args.out, "real_models", TITLE, COLUMNS, rows, notes, meta | wall)
+        return rows
+
     for group in worker_groups(runs, args.isolation):
         left = args.budget_s - (time.perf_counter() - started)
         if left < PROCESS_GUESS_S + guess_seconds(*group[0]):  # it would likely time out: leave it to another command
@@ -742,11 +594,9 @@ def main() -> None:
         for (name, variant), result in run_worker_process(group, args, timeout).items():
             results[(name, variant)] = result
             print(f"{name} {variant}: {json.dumps(result)[:300]}", flush=True)
-        done = [key for key in order if key in results]
-        write(args.out, summarize(results, done), notes, meta | {"wall_s": time.perf_counter() - started})
-    rows = summarize(results, order)
-    write(args.out, rows, notes, meta | {"wall_s": time.perf_counter() - started})
-    print_table(TABLE_COLUMNS, rows, baseline="eager (speedup), the faster full compile (*_vs_full)")
+        save([key for key in order if key in results])
+    rows = save(order)
+    common.print_table(TABLE_COLUMNS, rows, baseline="eager (speedup), the faster full compile (*_vs_full)")
     diffs = [r["loss_rel_diff_vs_eager"] for r in rows if r.get("loss_rel_diff_vs_eager") is not None]
     if diffs:
         print(f"first losses vs eager: largest relative difference {max(diffs):.2e}")

@@ -27,15 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import environment, synchronize  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import synchronize  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
-from compile_trainer.lightning.fit_telemetry import FitTelemetry
-from compile_trainer.schema import (  # noqa: E402
-    CompilePolicy,
-    Rule,
-    TelemetryConfig,  # noqa: E402
-    validate_policy,
-)
+from compile_trainer.lightning.fit_telemetry import FitTelemetry  # noqa: E402
+from compile_trainer.schema import CompilePolicy, Rule, TelemetryConfig, validate_policy  # noqa: E402
 from recipes.gpt import LanguageModel  # noqa: E402
 
 GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0)
@@ -43,9 +39,7 @@ TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropo
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with the eager backend")
+    parser = common.arguments(__doc__, "telemetry_overhead", "tiny model on the CPU with the eager backend")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--windows", type=int, default=12, help="windows per arm (even numbers keep ABBA balanced)")
     parser.add_argument("--steps-per-window", type=int, default=25)
@@ -58,7 +52,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    device = common.device_for(args.smoke)
     shape = TINY if args.smoke else GPT2_SMALL
     torch.manual_seed(0)
     module = LanguageModel(model=shape, fused=device.type == "cuda").to(device)
@@ -119,7 +113,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return {
         "benchmark": "telemetry_overhead",
         "title": "Telemetry on vs off: steady step time of GPT-2 small under the regional policy",
-        "meta": environment(),
+        "meta": common.environment(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "model": "tiny" if args.smoke else "gpt2_small",
@@ -140,27 +134,27 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def print_table(result: Dict[str, Any]) -> None:
-    rows = [
-        ("device", result["device"]),
-        ("model / backend", f"{result['model']} / {result['backend']}, batch {result['batch_size']}"),
-        ("steady step, telemetry off", f"{result['step_time_off_s'] * 1e3:.3f} ms (median of windows)"),
-        ("steady step, telemetry on", f"{result['step_time_on_s'] * 1e3:.3f} ms"),
-        ("overhead", f"{result['overhead_percent']:+.2f} %"),
-        ("hooks' host time", f"{result['hook_host_us_per_step']:.1f} us/step"),
-        ("hooks' host time / step", f"{result['hook_host_percent_of_step']:.3f} %"),
-        ("telemetry's own steady step", f"{(result['telemetry_steady_step_time_s'] or 0) * 1e3:.3f} ms"),
-        ("tokens/s (telemetry)", f"{result['telemetry_summary']['steady_items_per_s'] or 0:,.0f}"),
-        ("MFU (telemetry)", f"{result['telemetry_summary']['mfu'] or float('nan'):.3f}"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("\n".join(f"{name.ljust(width)}  {value}" for name, value in rows))
+    summary = result["telemetry_summary"]
+    rows = {
+        "device": result["device"],
+        "model / backend": f"{result['model']} / {result['backend']}, batch {result['batch_size']}",
+        "steady step, telemetry off": f"{result['step_time_off_s'] * 1e3:.3f} ms (median of windows)",
+        "steady step, telemetry on": f"{result['step_time_on_s'] * 1e3:.3f} ms",
+        "overhead": f"{result['overhead_percent']:+.2f} %",
+        "hooks' host time": f"{result['hook_host_us_per_step']:.1f} us/step",
+        "hooks' host time / step": f"{result['hook_host_percent_of_step']:.3f} %",
+        "telemetry's own steady step": f"{(result['telemetry_steady_step_time_s'] or 0) * 1e3:.3f} ms",
+        "tokens/s (telemetry)": f"{summary['steady_items_per_s'] or 0:,.0f}",
+        "MFU (telemetry)": f"{summary['mfu'] or float('nan'):.3f}",
+    }
+    print(common.format_table(["field", "value"], [{"field": k, "value": v} for k, v in rows.items()]))
 
 
 def main(argv: List[str]) -> None:
     args = parse_args(argv)
     result = run(args)
     print_table(result)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    args.out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,8 @@
-"""Training-step benchmark: eager vs torch.compile vs the peers vs this project's policies, side by side.
-
-Each variant runs in its own process with fresh Inductor/Triton caches, so the first step shows the
-cold compile a user pays. GPU run (GPT-2 small, bf16 autocast, fused AdamW, batch 8 x 1024):
+"""Training-step benchmark: eager vs torch.compile vs the peers vs this project's policies, side by side; each
+variant a fresh process with empty compile caches. GPT-2 small, bf16 autocast, fused AdamW, batch 8 x 1024 (GPU):
 
     python benchmarks/train_step.py --out benchmarks/results/train_step.json
-
-CPU smoke run (tiny model, aot_eager backend), as CI runs it:
-
-    python benchmarks/train_step.py --smoke --out /tmp/train_step.json
+    python benchmarks/train_step.py --smoke --out /tmp/train_step.json   # CPU, tiny model, aot_eager
 """
 
 from __future__ import annotations
@@ -29,25 +24,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    HostTimer,
-    StepTimer,
-    add_ratio,
-    peak_flops,
-    print_table,
-    quiet_trainer,
-    recompile_reasons,
-    repeated,
-    run_fresh,
-    synchronize,
-    time_steps,
-    timed,
-    worker,
-    write_result,
-)
+from benchmarks import common  # noqa: E402
+from benchmarks.common import StepTimer, synchronize  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
@@ -73,6 +53,15 @@ class Variant:
 NO_CUDA_GRAPHS = (("mode", None),)
 CLIP_TRAINER = (("gradient_clip_val", 1.0),)
 CPP_WRAPPER = (("options", {"cpp_wrapper": True}),)
+COMPILED, INDUCTOR = (("optimizer", {"compile": "true"}),), (("optimizer", {"compile": "true", "kernel": "inductor"}),)
+AUTO = (("optimizer", {"compile": "auto"}),)
+
+
+def regional(how: str, overrides: Tuple[Tuple[str, Any], ...] = (), **options: Any) -> Variant:
+    """A Lightning variant under the ``regional`` policy; ``how`` says what else it changes."""
+    return Variant("lightning", f"policy regional, {how}", "regional", overrides, **options)
+
+
 VARIANTS = {
     "eager": Variant("raw", "none"),
     "torch_compile": Variant("raw", "torch.compile(model)"),
@@ -100,57 +89,33 @@ VARIANTS = {
     "lightning_regional_background": Variant("lightning", "policy regional_background", "regional_background"),
     # Lightning refuses gradient_clip_val with a fused AdamW under mixed precision ("performs unscaling of
     # gradients internally"; H100, lightning 2.6, 2026-11-23): a Lightning user who clips gets foreach.
-    "lightning_regional_clip_foreach": Variant(
-        "lightning",
-        "policy regional, foreach AdamW, gradient_clip_val=1.0",
-        "regional",
-        module=(("fused", False),),
-        trainer=CLIP_TRAINER,
+    "lightning_regional_clip_foreach": regional(
+        "foreach AdamW, gradient_clip_val=1.0", module=(("fused", False),), trainer=CLIP_TRAINER
     ),
-    "lightning_regional_clip_compiled_optimizer": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (Triton on CUDA; clipping inside), gradient_clip_val=1.0",
-        "regional",
-        (("optimizer", {"compile": "true"}),),
+    "lightning_regional_clip_compiled_optimizer": regional(
+        "compiled optimizer step (Triton on CUDA; clipping inside), gradient_clip_val=1.0",
+        COMPILED,
         trainer=CLIP_TRAINER,
     ),
     # What a Lightning user who wants fused AdamW and clipping writes instead: clip_grad_norm_ before the step.
-    "lightning_regional_clip_fused_before_step": Variant(
-        "lightning", "policy regional, fused AdamW, clip_grad_norm_(1.0) before the step", "regional", step="clip"
+    "lightning_regional_clip_fused_before_step": regional(
+        "fused AdamW, clip_grad_norm_(1.0) before the step", step="clip"
     ),
-    "lightning_regional_compiled_optimizer": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (kernel auto: Triton on CUDA)",
-        "regional",
-        (("optimizer", {"compile": "true"}),),
+    "lightning_regional_compiled_optimizer": regional(
+        "compiled optimizer step (kernel auto: Triton on CUDA)", COMPILED
     ),
-    "lightning_regional_compiled_optimizer_inductor": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (Inductor over flat gradient buffers)",
-        "regional",
-        (("optimizer", {"compile": "true", "kernel": "inductor"}),),
+    "lightning_regional_compiled_optimizer_inductor": regional(
+        "compiled optimizer step (Inductor over flat gradient buffers)", INDUCTOR
     ),
-    "lightning_regional_clip_compiled_optimizer_inductor": Variant(
-        "lightning",
-        "policy regional, compiled optimizer step (Inductor, clipping inside), gradient_clip_val=1.0",
-        "regional",
-        (("optimizer", {"compile": "true", "kernel": "inductor"}),),
-        trainer=CLIP_TRAINER,
+    "lightning_regional_clip_compiled_optimizer_inductor": regional(
+        "compiled optimizer step (Inductor, clipping inside), gradient_clip_val=1.0", INDUCTOR, trainer=CLIP_TRAINER
     ),
-    "lightning_regional_auto_optimizer": Variant(
-        "lightning", "policy regional, optimizer compile: auto", "regional", (("optimizer", {"compile": "auto"}),)
-    ),
-    "lightning_regional_clip_auto_optimizer": Variant(
-        "lightning",
-        "policy regional, optimizer compile: auto (clipping inside), gradient_clip_val=1.0",
-        "regional",
-        (("optimizer", {"compile": "auto"}),),
-        trainer=CLIP_TRAINER,
+    "lightning_regional_auto_optimizer": regional("optimizer compile: auto", AUTO),
+    "lightning_regional_clip_auto_optimizer": regional(
+        "optimizer compile: auto (clipping inside), gradient_clip_val=1.0", AUTO, trainer=CLIP_TRAINER
     ),
     # Forward and backward with no update: subtracted from the rows above, it leaves what the optimizer costs.
-    "lightning_regional_backward_only": Variant(
-        "lightning", "policy regional, forward and backward only (no optimizer update)", "regional", step="none"
-    ),
+    "lightning_regional_backward_only": regional("forward and backward only (no optimizer update)", step="none"),
 }
 
 
@@ -336,7 +301,7 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
 
     torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-    first_step = timed(device, lambda: step(0))
+    first_step = common.timed(device, lambda: step(0))
     offset = 1  # steps run before the warm-up: with a background compile, until the compiled model is in use
     while background is not None and not background.installed and offset < args.max_eager_steps:
         step(offset)
@@ -347,8 +312,8 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     collections = GcRecorder(args.gc)
     start = offset + args.warmup - 1
-    times = time_steps(device, step, args.steps, start, outer=[collections], inner=[syncs, host])
-    host_timer = HostTimer(device)
+    times = common.time_steps(device, step, args.steps, start, outer=[collections], inner=[syncs, host])
+    host_timer = common.HostTimer(device)
     first_host_step = offset + args.warmup - 1 + args.steps
     for index in range(first_host_step, first_host_step + args.host_steps + 1):
         host_timer.step_start()
@@ -412,7 +377,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             self.losses: List[torch.Tensor] = []
             self.syncs = SyncRecorder(args.sync_debug)
             self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
-            self.host_timer = HostTimer(device)
+            self.host_timer = common.HostTimer(device)
             self.collections = GcRecorder(args.gc)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -463,7 +428,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     )
     compile_callback = CompileCallback(policy_for(variant, args.backend), print_plan=False)
     clock = StepClock()
-    trainer = quiet_trainer(
+    trainer = common.quiet_trainer(
         device,
         max_steps=most_steps,
         log_every_n_steps=50,
@@ -489,7 +454,7 @@ def finish(first_step, times, args, config, device, flops, losses) -> Dict[str, 
 
     steps, step_time, window = args.steps, times["step_s"], times["window_s"]
     tokens = args.batch_size * config.block_size
-    peak = peak_flops(device)
+    peak = common.peak_flops(device)
     return {
         "first_step_s": first_step,
         "step_ms": step_time * 1e3,
@@ -499,14 +464,14 @@ def finish(first_step, times, args, config, device, flops, losses) -> Dict[str, 
         "mfu": flops / step_time / peak if peak else None,
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "graphs": counters["stats"]["unique_graphs"],
-        "recompile_reasons": recompile_reasons(),
+        "recompile_reasons": common.recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
         "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
     }
 
 
 def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    device = common.device_for(args.smoke)
     config = SMOKE if args.smoke else GPT2_SMALL
     runner = run_raw if VARIANTS[variant].loop == "raw" else run_lightning
     if device.type == "cuda":
@@ -518,10 +483,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     """One variant in a fresh process with empty compile caches (``--repeats`` times: medians and spread)."""
     log = args.out.with_name(f"{args.out.stem}.{variant}.log")
     runs = [
-        run_fresh(__file__, ["--worker", variant, *args.passthrough], args.variant_timeout, log=log)
+        common.run_fresh(__file__, ["--worker", variant, *args.passthrough], args.variant_timeout, log=log)
         for _ in range(getattr(args, "repeats", 1))
     ]
-    return repeated(runs, TIMED)
+    return common.repeated(runs, TIMED)
 
 
 def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -540,79 +505,39 @@ def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
         row["host_profile"] = result.get("host_profile")
         row["compile_breakdown"] = result.get("compile_time_breakdown_s")
         if "losses" in eager:
-            row["loss_rel_diff_vs_eager"] = max(abs(a - b) / abs(b) for a, b in zip(result["losses"], eager["losses"]))
+            row["loss_rel_diff_vs_eager"] = common.rel_diff(result["losses"], eager["losses"])
         rows.append(row)
-    add_ratio(rows, "speedup_vs_eager", "tokens_per_s", lambda row: row["variant"] == "eager")
+    common.add_ratio(rows, "speedup_vs_eager", "tokens_per_s", lambda row: row["variant"] == "eager")
     for column, name in (("tokens_per_s", "throughput"), ("first_step_s", "first_step")):
-        add_ratio(rows, f"{name}_vs_torch_compile", column, lambda row: row["variant"] == "torch_compile")
+        common.add_ratio(rows, f"{name}_vs_torch_compile", column, lambda row: row["variant"] == "torch_compile")
     return rows
 
 
 # Timings that --repeats reports as medians with their spread.
 TIMED = ("first_step_s", "step_ms", "host_ms", "slowest_step_ms", "tokens_per_s", "tflops", "mfu", "compiled_after_s")
-COLUMNS = [
-    "variant",
-    "loop",
-    "first_step_s",
-    "step_ms",
-    "host_ms",
-    "slowest_step_ms",
-    "tokens_per_s",
-    "speedup_vs_eager",
-    "throughput_vs_torch_compile",
-    "first_step_vs_torch_compile",
-    "compiled_after_s",
-    "eager_steps",
-    "tflops",
-    "mfu",
-    "peak_mem_gib",
-    "graphs",
-    "gc_collections",
-    "gc_pause_ms",
-    "loss_rel_diff_vs_eager",
-    "error",
-]
+COLUMNS = """variant loop first_step_s step_ms host_ms slowest_step_ms tokens_per_s speedup_vs_eager
+throughput_vs_torch_compile first_step_vs_torch_compile compiled_after_s eager_steps tflops mfu peak_mem_gib graphs
+gc_collections gc_pause_ms loss_rel_diff_vs_eager error""".split()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_step.json")
+    parser = common.arguments(__doc__, "train_step", "tiny model on the CPU with aot_eager")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=200, help="timed steady-state steps")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU with aot_eager")
     parser.add_argument("--variant-timeout", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (medians and spread)")
-    parser.add_argument(
-        "--max-eager-steps", type=int, default=5000, help="with a background compile: most steps before it is in use"
-    )
-    parser.add_argument(
-        "--host-steps", type=int, default=10, help="steps after the timed ones that measure the host's time alone"
-    )
-    parser.add_argument(
-        "--gc",
-        choices=["auto", "freeze"],
-        default="auto",
-        help="Python's garbage collector in the timed steps: as is, or frozen after one collection",
-    )
+    parser.add_argument("--max-eager-steps", type=int, default=5000, help="background compile: most eager steps")
+    parser.add_argument("--host-steps", type=int, default=10, help="steps after the timed ones timing the host alone")
+    parser.add_argument("--gc", choices=["auto", "freeze"], default="auto", help="Python's GC in the timed steps")
     parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
     parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
     parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
-    parser.add_argument(
-        "--lightning-data",
-        choices=["pinned", "pageable", "device"],
-        default="pinned",
-        help="how the Lightning loop's batches arrive: a pinned-memory DataLoader, pageable, or already on the GPU",
-    )
-    parser.add_argument(
-        "--switch-interval",
-        type=float,
-        help="sys.setswitchinterval for the worker (GIL sharing with a background compile)",
-    )
-    parser.add_argument("--worker", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--lightning-data", choices=["pinned", "pageable", "device"], default="pinned")
+    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the worker (GIL sharing)")
+    common.hidden(parser, "--worker", choices=list(VARIANTS))
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
@@ -620,32 +545,10 @@ def main() -> None:
     if args.worker:
         if args.switch_interval:
             sys.setswitchinterval(args.switch_interval)
-        return worker(args.worker_out, lambda: run_worker(args.worker, args), args.variant_timeout)
-    args.passthrough = (
-        [
-            f"--steps={args.steps}",
-            f"--warmup={args.warmup}",
-            f"--batch-size={args.batch_size}",
-            f"--backend={args.backend}",
-            f"--lightning-data={args.lightning_data}",
-            f"--max-eager-steps={args.max_eager_steps}",
-            f"--host-steps={args.host_steps}",
-            f"--gc={args.gc}",
-            f"--variant-timeout={args.variant_timeout}",
-        ]
-        + ([f"--switch-interval={args.switch_interval}"] if args.switch_interval else [])
-        + [
-            flag
-            for flag, on in (
-                ("--smoke", args.smoke),
-                ("--sync-debug", args.sync_debug),
-                ("--host-profile", args.host_profile),
-                ("--kernel-profile", args.kernel_profile),
-            )
-            if on
-        ]
-    )
+        return common.worker(args.worker_out, lambda: run_worker(args.worker, args), args.variant_timeout)
+    args.passthrough = sys.argv[1:]  # the worker reads this command's settings
     results: Dict[str, Dict[str, Any]] = {}
+    title = "Training step: eager, torch.compile, peers and policies"
     for index, variant in enumerate(args.variants):
         repeat = args.variants[:index].count(variant)  # a variant named again is another run: "variant#2"
         run = f"{variant}#{repeat + 1}" if repeat else variant
@@ -657,10 +560,8 @@ def main() -> None:
             f"{args.steps} timed steps after {args.warmup}; backend {args.backend}; fresh compile caches per variant"
             + (f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else "")
         ]
-        write_result(
-            args.out, "train_step", "Training step: eager, torch.compile, peers and policies", COLUMNS, rows, notes
-        )
-    print_table(COLUMNS, rows, baseline="eager (speedup), torch_compile (throughput_vs_*, first_step_vs_*)")
+        common.write_result(args.out, "train_step", title, COLUMNS, rows, notes)
+    common.print_table(COLUMNS, rows, baseline="eager (speedup), torch_compile (throughput_vs_*, first_step_vs_*)")
 
 
 if __name__ == "__main__":

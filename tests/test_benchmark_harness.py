@@ -5,6 +5,8 @@ import json
 import subprocess
 import textwrap
 
+import pytest
+
 from benchmarks import common
 from tests.benchmark_smoke import ROOT, run_without_config_packages
 
@@ -61,6 +63,8 @@ def test_each_variant_runs_in_a_fresh_process_with_empty_caches_of_its_own(tmp_p
     assert "failed on purpose" in log.read_text()
     slow = common.run_fresh(str(script), ["--sleep", "30"], timeout=3)
     assert slow["error"].startswith("timed out after 3 s")
+    row = common.fresh_row(str(script), ["--sleep", "30"], timeout=3, row={"variant": "slow"})
+    assert row["variant"] == "slow" and row["error"].startswith("timed out") and set(row) == {"variant", "error"}
 
 
 def test_the_result_file_records_the_commit_and_a_dirty_tree(tmp_path, monkeypatch):
@@ -104,6 +108,16 @@ def test_ratios_repeats_and_the_side_by_side_table(capsys):
     common.print_table(["model", "variant", "step_ms", "speedup_vs_eager"], rows, baseline="eager")
     printed = capsys.readouterr().out
     assert "speedup_vs_eager" in printed and "0.8" in printed and "against eager" in printed
+    assert common.rel_diff([1.0, 2.2], [1.0, 2.0]) == pytest.approx(0.1) and common.rel_diff([], []) is None
+
+
+def test_every_script_s_command_line_shares_the_harness_s_flags():
+    parser = common.arguments("a benchmark", "bench")
+    common.hidden(parser, "--worker")
+    args = parser.parse_args(["--smoke", "--worker", "eager"])
+    assert args.out == common.RESULTS / "bench.json" and args.smoke and args.worker == "eager"
+    assert args.worker_out is None and "--worker" not in parser.format_help()
+    assert common.arguments(None).parse_args(["--out", "x.json"]).out.name == "x.json", "no headline: --out given"
 
 
 def test_the_report_shows_a_headline_s_commit_and_repeats_and_a_former_headline_s_change(tmp_path):
