@@ -5,6 +5,7 @@ attention scale) gives an entry per value: found by a trial trace before the pla
 compile, before the other blocks run."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -340,3 +341,23 @@ def test_a_decoder_trains_without_a_kv_cache_and_evaluates_and_generates_with_it
     llama.train()
     applied.remove()
     assert llama(**batch).past_key_values is not None, "remove() takes the hook away"
+
+
+LOGGER = logging.getLogger("tests.warns_once")
+
+
+class WarnsOnceBlock(ScaledBlock):
+    """Calls Hugging Face's ``logger.warning_once`` (as its attention does when asked for weights it cannot give)."""
+
+    def forward(self, x):
+        LOGGER.warning_once("attention weights are not returned")
+        return super().forward(x)
+
+
+def test_a_block_that_warns_once_is_traced_by_the_trial_as_its_region_compiles_it():
+    assert hasattr(logging.Logger, "warning_once"), "transformers adds it when imported"
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(*[WarnsOnceBlock(1 / (i + 1)) for i in range(4)]))
+    applied = regional(model)
+    notes = "\n".join(applied.notes)
+    assert "no trial trace" not in notes, notes
+    assert "4 WarnsOnceBlock blocks differ only in the floats scale: one graph" in notes, notes

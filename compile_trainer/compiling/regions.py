@@ -324,6 +324,16 @@ def once_logger_methods() -> set:
     return {logging.Logger.warning_once} if hasattr(logging.Logger, "warning_once") else set()
 
 
+def _trial_trace_dropping_once_warnings(block: nn.Module, floats: Sequence[str], indices: Sequence[str]) -> Any:
+    """``trial_trace`` with ``once_logger_methods`` dropped as the compiled regions drop them: a block that calls
+    one (HF's attention asked for weights it cannot give) is traced instead of failing the trial."""
+    previous = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
+    try:
+        return trial_trace(block, floats, indices)
+    finally:
+        compat.set_ignored_logger_methods(previous)
+
+
 def _refuse_user_compiled(root: nn.Module) -> None:
     """A module the user compiled already would keep its own compiled call and hide the policy's regions."""
     compiled = [
@@ -367,7 +377,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     check_policy_runtime(policy)
     if policy.compiles_modules:
         _refuse_user_compiled(root)
-    plan = resolve_plan(root, policy, trial=trial_trace)
+    plan = resolve_plan(root, policy, trial=_trial_trace_dropping_once_warnings)
     device = device or model_device(root)
     applied = AppliedPolicy(policy=policy, plan=plan, root=root, notes=list(plan.notes))
     if not policy.enabled:
