@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +47,8 @@ OPTIONS = {
     "bf16_grads": "DDPStrategy(ddp_comm_hook=bf16_compress_hook): gradients all-reduced in bf16",
     "no_ddp_optimizer": "torch._dynamo.config.optimize_ddp = False: no graph split at bucket boundaries",
     "fused": "AdamW(fused=True)",
+    "big_buckets": "DDPStrategy(bucket_cap_mb=100): fewer, larger all-reduces (default 25 MB)",
+    "nccl_4_channels": "NCCL_MAX_NCHANNELS=4: NCCL's kernels take fewer SMs from the compute beside them",
 }
 OPTION_RUNS = [  # (strategy, policy, options, gpus)
     ("ddp", "regional", "", 1), ("ddp", "regional", "", 2), ("ddp", "regional", "no_ddp_optimizer", 2),
@@ -54,6 +57,7 @@ OPTION_RUNS = [  # (strategy, policy, options, gpus)
     ("ddp", "regional", "no_ddp_optimizer,bucket_view,bf16_grads", 2),
     ("ddp", "full", "", 1), ("ddp", "full", "", 2), ("ddp", "full", "no_ddp_optimizer", 2),
     ("ddp", "regional", "fused", 1), ("fsdp2", "regional", "fused", 2),
+    ("ddp", "regional", "big_buckets", 2), ("ddp", "regional", "nccl_4_channels", 2),
 ]  # fmt: skip
 
 
@@ -126,6 +130,9 @@ def ddp_strategy(args: argparse.Namespace) -> Any:
         torch._dynamo.config.optimize_ddp = False
     kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True} if "bucket_view" in chosen else {}
     kwargs |= {"static_graph": True} if "static_graph" in chosen else {}
+    kwargs |= {"bucket_cap_mb": 100} if "big_buckets" in chosen else {}
+    if "nccl_4_channels" in chosen:  # before the process group exists; the other ranks inherit it
+        os.environ["NCCL_MAX_NCHANNELS"] = "4"
     if "bf16_grads" in chosen:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
