@@ -1,6 +1,16 @@
 import os
 
-import torch
+# Under `pytest -n N` (README: -n 2 on two cores) the workers share the cores: one thread each, inherited by the
+# processes the tests start. Two workers with two OpenMP threads each spin against each other: a file run twice at
+# once took 47 s a copy, 33 s with one thread (2026-11-26).
+ONE_THREAD = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if ONE_THREAD:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+if ONE_THREAD:
+    torch.set_num_threads(1)
 
 # Without a GPU, the optimizer's Triton kernel runs through Triton's interpreter (tests/test_optimizer_triton.py).
 # Set before lightning imports triton: triton.jit reads it when it decorates (triton's own library included).
@@ -11,7 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 
-from recipes.gpt import GPT, GPTConfig
+from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
