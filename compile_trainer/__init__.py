@@ -9,7 +9,6 @@ sweeps, report) and ``cli``; ``compat`` is the one door to torch's private APIs.
 from compile_trainer.compiling.background import BackgroundCompile, BackgroundCompileError
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import AppliedPolicy, apply_policy, format_plan_table
-from compile_trainer.lightning.callback import CompileCallback
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
 from compile_trainer.planning.selection import CompilePlan, find_repeated_blocks, resolve_plan
 from compile_trainer.schema import (
@@ -24,6 +23,17 @@ from compile_trainer.schema import (
 )
 from compile_trainer.shapes.batch import BatchShaper, PadCollate, ShapeError
 from compile_trainer.shapes.region_inputs import RecompileError
+
+
+def __getattr__(name: str) -> object:
+    """``CompileCallback`` is imported at its first use: the rest of the package does not import Lightning (a
+    benchmark's raw-loop worker starts seconds sooner)."""
+    if name == "CompileCallback":
+        from compile_trainer.lightning.callback import CompileCallback
+
+        return CompileCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AppliedPolicy",
