@@ -6,6 +6,8 @@ CUDA graphs), ``shapes``, ``optimizer``, ``telemetry``, ``lightning`` (the callb
 sweeps, report) and ``cli``; ``compat`` is the one door to torch's private APIs.
 """
 
+from typing import TYPE_CHECKING
+
 from compile_trainer.compiling.background import BackgroundCompile, BackgroundCompileError
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import AppliedPolicy, apply_policy, format_plan_table
@@ -23,6 +25,9 @@ from compile_trainer.schema import (
 )
 from compile_trainer.shapes.batch import BatchShaper, PadCollate, ShapeError
 from compile_trainer.shapes.region_inputs import RecompileError
+
+if TYPE_CHECKING:  # imported at first use (below); named here for type checkers and editors
+    from compile_trainer.lightning.callback import CompileCallback
 
 
 def __getattr__(name: str) -> object:

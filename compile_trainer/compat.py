@@ -340,9 +340,8 @@ class FlopTally:
 
         self.counting = counting
         self.real_only = real_only
-        self.flop_registry = dict(flop_registry) | grouped_query_attention_formulas(
-            flop_registry
-        )  # read by _FlopCounterMode
+        # read by _FlopCounterMode
+        self.flop_registry = dict(flop_registry) | grouped_query_attention_formulas(flop_registry)
         self.flop_counts: Dict[str, Dict[Any, int]] = defaultdict(lambda: defaultdict(int))
         self.error: Optional[BaseException] = None  # a formula that failed: the count stopped there
 

@@ -36,10 +36,9 @@ CASES = {
     "hf_resnet": (CLASSIFIER, None, 4),  # four stages of four widths: four structures
     "staged_resnet": ({}, None, 8),  # layer1's two blocks are alike; each later stage opens with a downsampling one
 }
-# Checked on torch 2.13 and 2.14.1 (CI), and on 2.9.1 (.ci/torch_versions.sh), where two things differ: Dynamo
-# specializes BEiT's per-block drop_prob even when primed as a graph input (the trial trace sees it: one entry per
-# value, too little reuse, the model compiled whole), and it cannot trace copy.deepcopy in transformers' T5
-# (get_text_config: a graph break in the compiled model). Versions between them may behave either way.
+# Checked on torch 2.13 and 2.14.1 (CI), and on 2.9.1 (.ci/torch_versions.sh), where Dynamo cannot trace
+# copy.deepcopy in transformers' T5 (get_text_config: a graph break in the compiled model). BEiT's per-block
+# drop_prob shares one graph on each (stochastic depth reads it from a tensor while compiled).
 CHECKED_LIKE_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 # Entries per distinct structure, when regional_min_reuse: 0 keeps the blocks regional whatever their reuse.
 ENTRIES_WHEN_REGIONAL = {"t5": 4, "hf_resnet": 4, "staged_resnet": 7}

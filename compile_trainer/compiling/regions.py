@@ -324,10 +324,15 @@ def once_logger_methods() -> set:
     return {logging.Logger.warning_once} if hasattr(logging.Logger, "warning_once") else set()
 
 
+def _drop_once_logger_methods() -> set:
+    """Tell Dynamo to drop ``once_logger_methods`` while tracing; returns the set to restore."""
+    return compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
+
+
 def _trial_trace_dropping_once_warnings(block: nn.Module, floats: Sequence[str], indices: Sequence[str]) -> Any:
     """``trial_trace`` with ``once_logger_methods`` dropped as the compiled regions drop them: a block that calls
     one (HF's attention asked for weights it cannot give) is traced instead of failing the trial."""
-    previous = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
+    previous = _drop_once_logger_methods()
     try:
         return trial_trace(block, floats, indices)
     finally:
@@ -403,8 +408,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     if policy.distributed.consistent_dynamic_shapes:
         applied.process_settings.callback(compat.set_compiler_collectives, compat.set_compiler_collectives(True))
         applied.notes.append(COMPILER_COLLECTIVES_NOTE)
-    ignored = compat.set_ignored_logger_methods(compat.ignored_logger_methods() | once_logger_methods())
-    applied.process_settings.callback(compat.set_ignored_logger_methods, ignored)
+    applied.process_settings.callback(compat.set_ignored_logger_methods, _drop_once_logger_methods())
     unpadded_lengths = policy.shapes.dynamic and not policy.shapes.pad.enabled
     if unpadded_lengths and device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
         torch.backends.cuda.enable_cudnn_sdp(False)
