@@ -21,7 +21,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,6 +49,7 @@ OPTIONS = {
     "fused": "AdamW(fused=True)",
     "big_buckets": "DDPStrategy(bucket_cap_mb=100): fewer, larger all-reduces (default 25 MB)",
     "nccl_4_channels": "NCCL_MAX_NCHANNELS=4: NCCL's kernels take fewer SMs from the compute beside them",
+    "ddp_on_one_gpu": "DDPStrategy on one GPU: DDP's reducer, hooks and bucket copies with no peer to wait for",
 }
 OPTION_RUNS = [  # (strategy, policy, options, gpus)
     ("ddp", "regional", "", 1), ("ddp", "regional", "", 2), ("ddp", "regional", "no_ddp_optimizer", 2),
@@ -58,7 +59,26 @@ OPTION_RUNS = [  # (strategy, policy, options, gpus)
     ("ddp", "full", "", 1), ("ddp", "full", "", 2), ("ddp", "full", "no_ddp_optimizer", 2),
     ("ddp", "regional", "fused", 1), ("fsdp2", "regional", "fused", 2),
     ("ddp", "regional", "big_buckets", 2), ("ddp", "regional", "nccl_4_channels", 2),
+    ("ddp", "regional", "ddp_on_one_gpu", 1),
 ]  # fmt: skip
+
+
+def option_runs(names: str) -> List[Tuple[str, str, str, int]]:
+    """``OPTION_RUNS``, or with ``--ddp-options A,B`` the DDP ``regional`` runs on one and on every GPU and one run
+    per named option."""
+    if not names:
+        return OPTION_RUNS
+    chosen = names.split(",")
+    unknown = sorted(set(chosen) - set(OPTIONS))
+    if unknown:
+        raise SystemExit(f"unknown --ddp-options {unknown}: choose from {sorted(OPTIONS)}")
+    baseline = [("ddp", "regional", "", 1), ("ddp", "regional", "", 2)]
+    return baseline + [("ddp", "regional", name, 1 if name == "ddp_on_one_gpu" else 2) for name in chosen]
+
+
+def strategy_name(strategy: str, gpus: int, chosen: str) -> str:
+    """The row's strategy: ``-`` for one device without a wrapper."""
+    return strategy if gpus > 1 or "ddp_on_one_gpu" in chosen else "-"
 
 
 def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
@@ -173,7 +193,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     module = lightning_module(args, callback)
     strategy: Any = "auto"
-    if args.gpus > 1:
+    if args.gpus > 1 or "ddp_on_one_gpu" in options(args):
         strategy = (
             ddp_strategy(args) if args.strategy == "ddp" else ModelParallelStrategy(args.gpus, tensor_parallel_size=1)
         )
@@ -215,16 +235,52 @@ def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
             self.profiler.__exit__(None, None, None)
             folder = Path(args.profile_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            where = args.strategy if args.gpus > 1 else "single"
-            name = f"{args.model}-{where}-{args.policy}-rank{trainer.global_rank}"
+            where = strategy_name(args.strategy, args.gpus, args.options or "").replace("-", "single")
+            chosen = f"-{args.options.replace(',', '+')}" if args.options else ""
+            name = f"{args.model}-{where}-{args.policy}{chosen}-{args.gpus}gpu-rank{trainer.global_rank}"
             averages = self.profiler.key_averages()
             tables = [averages.table(sort_by=key, row_limit=30) for key in ("self_cuda_time_total", "cpu_time_total")]
             (folder / f"{name}.txt").write_text("\n".join(tables))
+            trace = folder / f"{name}.trace.json"
+            self.profiler.export_chrome_trace(str(trace))
             if trainer.global_rank == 0:
-                self.profiler.export_chrome_trace(str(folder / f"{name}.trace.json"))
+                args.gpu_timeline = gpu_timeline(trace, steps)
+            else:
+                trace.unlink()
             self.profiler = None
 
     return ProfiledSteps()
+
+
+def gpu_timeline(trace: Path, steps: int) -> Dict[str, float]:
+    """Where a profiled step's GPU time went, in ms a step, from a Chrome trace: kernels other than NCCL's (busy),
+    NCCL's, the part of NCCL's that ran beside other kernels (overlapped), and no kernel at all (idle)."""
+
+    def union(spans: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+        merged: List[Tuple[float, float]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def length(spans: List[Tuple[float, float]]) -> float:
+        return sum(end - start for start, end in spans)
+
+    kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    kernels = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") in kinds and "dur" in e]
+    if not kernels:
+        return {}
+    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
+    both = union(nccl + busy)
+    span = both[-1][1] - both[0][0]
+    per_step = {
+        "span": span, "busy": length(busy), "nccl": length(nccl),
+        "overlapped": length(nccl) + length(busy) - length(both), "idle": span - length(both),
+    }  # fmt: skip
+    return {key: round(us / 1e3 / steps, 2) for key, us in per_step.items()}
 
 
 def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, Any]:
@@ -253,7 +309,7 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
     return {
         "model": args.model,
         "experiment": args.experiment + ("+collectives" if args.collectives else ""),
-        "strategy": args.strategy if args.gpus > 1 else "-",
+        "strategy": strategy_name(args.strategy, args.gpus, args.options or ""),
         "policy": args.policy,
         "options": args.options or "",
         "gpus": args.gpus,
@@ -268,6 +324,7 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
         "peak_memory_gb_by_rank": [round(m / 2**30, 2) if m else None for m in memory],
         "compile_s_max": ranks.get("compile_time_s_max", summary.get("compile_time_s")),
         "cache": cache,
+        "gpu_timeline_ms_a_step": getattr(args, "gpu_timeline", None),
         "error": None,
     }
 
@@ -283,7 +340,7 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
         if value not in (None, False):
             command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     row = {key: run[key] for key in ("model", "experiment", "policy", "options", "gpus")}
-    row |= {"strategy": run["strategy"] if run["gpus"] > 1 else "-"}
+    row |= {"strategy": strategy_name(run["strategy"], run["gpus"], run["options"] or "")}
     row["experiment"] += "+collectives" if run["collectives"] else ""
     caches = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=folder))
     return common.fresh_row(__file__, command, args.timeout, row, caches=caches)
@@ -293,7 +350,11 @@ def compare_to_one(rows: List[Dict[str, Any]]) -> None:
     """Each scaling row's throughput and slowest first step against the same (model, policy) on one device (the
     goal: >= 1.9x on two GPUs, first step <= 1.1x); a warm cache row's first steps against its cold row's."""
     ok = [r for r in rows if not r.get("error")]
-    single = {(r["model"], r["policy"], "fused" in (r.get("options") or "")): r for r in ok if r["gpus"] == 1}
+    single = {
+        (r["model"], r["policy"], "fused" in (r.get("options") or "")): r
+        for r in ok
+        if r["gpus"] == 1 and r["strategy"] == "-"
+    }
     cold = {(r["model"], r["policy"]): r for r in ok if r["experiment"] == "scaling" and r.get("cache")}
     for row in rows:
         base = single.get((row["model"], row["policy"], "fused" in (row.get("options") or "")))
@@ -322,7 +383,7 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
             warm = dict(experiment="cache", strategy="ddp", policy="regional", gpus=n, cache_dir=f"{cache_dir}/{model}")
             runs.append(dict(model=model, **warm))
         if "ddp-options" in args.experiments:
-            for strategy, policy, chosen, gpus in OPTION_RUNS:
+            for strategy, policy, chosen, gpus in option_runs(args.ddp_options):
                 gpus = n if gpus > 1 else 1
                 run = dict(
                     experiment="ddp-options", strategy=strategy, policy=policy, gpus=gpus, options=chosen or None
@@ -346,6 +407,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="samples per rank a step (8; 2 with --smoke)")
     parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
+    parser.add_argument(
+        "--ddp-options", default="", help=f"ddp-options: only these of {', '.join(OPTIONS)} (default: all runs)"
+    )
     parser.add_argument("--profile-dir", help="profile 3 steps near the end of each run (torch.profiler) into it")
     common.hidden(parser, "--model", "--experiment", "--strategy", "--policy", "--cache-dir", "--options")
     common.hidden(parser, "--worker", "--collectives", action="store_true")
