@@ -282,7 +282,7 @@ def test_a_timm_vit_with_stochastic_depth_shares_one_graph_across_its_probabilit
 
 def test_compiled_stochastic_depth_keeps_samples_at_its_rate_and_scale_and_eager_is_unchanged():
     module = nn.Sequential(nn.Linear(4, 4), TimmDropPath(0.3)).train()
-    undo = share_stochastic_depth(module, ["1.drop_prob"])
+    shared = share_stochastic_depth(module, ["1.drop_prob"])
     x = torch.ones(20000, 1, 4)
     out = torch.compile(module[1], backend="aot_eager", fullgraph=True)(x)
     kept = out[:, 0, 0]
@@ -294,8 +294,27 @@ def test_compiled_stochastic_depth_keeps_samples_at_its_rate_and_scale_and_eager
     assert torch.equal(eager, type(module[1]).forward(module[1], x)), "outside a compile, timm's own forward runs"
     assert [name for name, _ in module.named_buffers()] == [f"1.{KEEP_BUFFER}"], "a buffer while shared"
     assert list(module.state_dict()) == ["0.weight", "0.bias"], "not persistent: checkpoints are unchanged"
-    undo()
+    shared.undo()
     assert "forward" not in vars(module[1]) and not list(module.named_buffers())
+
+
+@pytest.mark.parametrize("probability", [0.0, 1.0])
+def test_a_drop_path_rate_changed_after_the_policy_is_applied_reaches_the_compiled_forward(probability):
+    """A drop-path schedule sets the modules' probabilities between steps. The compiled forward reads them from
+    buffers, refilled before each region call: set to 0 (no sample dropped) or 1 (every residual branch dropped,
+    as timm's own does), training outputs equal eager ones, with no recompile."""
+    model = ViTClassifier(depth=6, drop_path_rate=0.1)
+    reference = copy.deepcopy(model)
+    applied = regional(model)
+    batch = image_batches(1, 0)[0]
+    model(**batch).backward()  # compiled at the policy's rates
+    for module in [*model.modules(), *reference.modules()]:
+        if isinstance(module, TimmDropPath):
+            module.drop_prob = probability
+    torch.testing.assert_close(model(**batch), reference(**batch))
+    assert len(block_entries(applied)) == 2
+    compiles = entry_compiles()
+    assert compiles and [attempt for _, attempt in compiles] == [0] * len(compiles), f"a recompile: {compiles}"
 
 
 def test_a_float_that_is_zero_in_some_blocks_splits_them():

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from compile_trainer import compat
+from compile_trainer.compiling import region_call
 
 ENTRY_ARGUMENT = "module"  # the name of the module argument of every region's entry function
 CONSTANT_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
@@ -96,12 +97,39 @@ def _stochastic_depth_compiled(self: nn.Module, x: torch.Tensor) -> torch.Tensor
     keep = getattr(self, KEEP_BUFFER)
     shape = (1,) * x.dim() if getattr(self, "mode", "row") == "batch" else (x.shape[0],) + (1,) * (x.dim() - 1)
     kept = (keep + torch.rand(shape, dtype=keep.dtype, device=x.device)).floor()
-    return x * (kept / keep if getattr(self, "scale_by_keep", True) else kept).to(x.dtype)
+    if getattr(self, "scale_by_keep", True):
+        kept = torch.where(keep > 0, kept / keep, kept)  # p = 1 drops every sample, as timm's does
+    return x * kept.to(x.dtype)
 
 
-def share_stochastic_depth(block: nn.Module, floats: Sequence[str]) -> Callable[[], None]:
+class StochasticDepthBuffers:
+    """The stochastic-depth modules of one block that read their probability from a tensor buffer while compiled
+    (``share_stochastic_depth``). ``sync`` refills a buffer whose module's probability changed since (a drop-path
+    schedule): the compiled code reads only the buffer. It runs before each call of the block's region
+    (``SyncStochasticDepth``), outside the compiled code."""
+
+    def __init__(self, owners: List[Tuple[nn.Module, str]]):
+        self.owners = owners
+        self.values = [getattr(owner, attribute) for owner, attribute in owners]
+
+    def sync(self) -> None:
+        for index, (owner, attribute) in enumerate(self.owners):
+            value = getattr(owner, attribute)
+            if value != self.values[index]:
+                if not 0 <= value <= 1:
+                    raise ValueError(f"{type(owner).__name__}.{attribute} = {value}: a probability in [0, 1]")
+                getattr(owner, KEEP_BUFFER).fill_(1.0 - value)
+                self.values[index] = value
+
+    def undo(self) -> None:
+        for owner, _ in self.owners:
+            vars(owner).pop("forward", None)
+            owner._buffers.pop(KEEP_BUFFER, None)
+
+
+def share_stochastic_depth(block: nn.Module, floats: Sequence[str]) -> StochasticDepthBuffers:
     """Make the stochastic-depth modules of ``block`` that own one of ``floats`` take their probability from a
-    tensor when compiled (``_stochastic_depth_compiled``; eager calls unchanged). Returns the undo."""
+    tensor when compiled (``_stochastic_depth_compiled``; eager calls unchanged)."""
     device = next((p.device for p in block.parameters()), None)
     owners = []
     for path in floats:
@@ -111,14 +139,25 @@ def share_stochastic_depth(block: nn.Module, floats: Sequence[str]) -> Callable[
             continue
         owner.register_buffer(KEEP_BUFFER, torch.tensor(1.0 - getattr(owner, attribute), device=device), False)
         owner.forward = types.MethodType(_stochastic_depth_compiled, owner)
-        owners.append(owner)
+        owners.append((owner, attribute))
+    return StochasticDepthBuffers(owners)
 
-    def undo() -> None:
-        for owner in owners:
-            vars(owner).pop("forward", None)
-            owner._buffers.pop(KEEP_BUFFER, None)
 
-    return undo
+class SyncStochasticDepth:
+    """Interceptor (``region_call.SYNC_VALUES``): before a region's call, its stochastic-depth buffers take the
+    probabilities their modules hold now."""
+
+    position = region_call.SYNC_VALUES
+    replaces_compiled = False
+
+    def __init__(self) -> None:
+        self.buffers: Dict[int, StochasticDepthBuffers] = {}  # id of the region's CompiledRegion -> its buffers
+
+    def __call__(self, item: Any, proceed: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        buffers = self.buffers.get(id(item))
+        if buffers is not None:
+            buffers.sync()
+        return proceed(*args, **kwargs)
 
 
 class SharedValues:
@@ -254,14 +293,14 @@ def trial_trace(
     )
     modes = [(module, module.training) for module in block.modules()]
     block.train()
-    undo = share_stochastic_depth(block, floats)
+    shared = share_stochastic_depth(block, floats)
     try:
         with torch.enable_grad(), contextlib.suppress(_Traced):
             compiled(example)
     except Exception as error:  # a block that needs more than one tensor (a mask, position embeddings)
         return {}, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     finally:
-        undo()
+        shared.undo()
         for module, training in modes:
             module.training = training
     return found, None

@@ -6,6 +6,7 @@ it eagerly while a background thread compiles it) are ``Interceptor`` objects ad
 ``InterceptorChain``; nothing else wraps a region's call. The order is declared here, outermost first:
 
 ========================  ==========================================================================
+``SYNC_VALUES``           per-block values: refill the buffers the compiled code reads them from (drop-path rates)
 ``MARK_INPUTS``           shapes: mark the region's inputs dynamic like the batch (before anything records them)
 ``STRICT_RECOMPILES``     shapes: after warm-up, a recompile is an error naming the region and the guard
 ``BUCKET_WARMUP``         shapes: record a call that compiled, to compile it for every other bucket
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
+SYNC_VALUES = 5
 MARK_INPUTS = 10
 STRICT_RECOMPILES = 20
 BUCKET_WARMUP = 25

@@ -30,6 +30,7 @@ from compile_trainer import compat
 from compile_trainer.compiling.backends import RegionBackend
 from compile_trainer.compiling.block_values import (
     SharedValues,
+    SyncStochasticDepth,
     block_values,
     passes_kv_cache,
     share_stochastic_depth,
@@ -415,6 +416,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         applied.process_settings.callback(torch.backends.cuda.enable_cudnn_sdp, True)
         applied.notes.append(CUDNN_ATTENTION_OFF)
     shared_values: Dict[str, SharedValues] = {}  # entry key -> its blocks' per-block values
+    stochastic_depth: Optional[SyncStochasticDepth] = None
     for region, kwargs in planned:
         # Blocks of one structure share an entry (one graph); any other region gets its own, so that
         # differently shaped modules of one class (two embeddings, say) never recompile each other.
@@ -430,7 +432,13 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
                 shared_values[item.entry_key] = values
                 values.prime(entry.__code__)
             item.guard_filter = values.guard_filter
-            applied.process_settings.callback(share_stochastic_depth(region.module, region.shared_floats))
+            buffers = share_stochastic_depth(region.module, region.shared_floats)
+            applied.process_settings.callback(buffers.undo)
+            if buffers.owners:
+                if stochastic_depth is None:
+                    stochastic_depth = SyncStochasticDepth()
+                    applied.interceptors.add(stochastic_depth)
+                stochastic_depth.buffers[id(item)] = buffers
         compat.install_compiled_call(
             region.module,
             RegionCall(
