@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -138,8 +139,52 @@ def load_sweep(directory: Path) -> Optional[Dict[str, Any]]:
 
 def sweep_title(sweep: Dict[str, Any]) -> str:
     recipes = sorted({run.get("recipe") or "-" for run in sweep["runs"]})
-    policies = ", ".join(run.get("policy") or "-" for run in sweep["runs"])
-    return f"Policy sweep on the {', '.join(recipes)} recipe: {policies}"
+    policies = ", ".join(dict.fromkeys(run.get("policy") or "-" for run in sweep["runs"]))
+    seeds = sorted({run.get("seed") for run in sweep["runs"]}, key=str)
+    repeats = f" (seeds {', '.join(map(str, seeds))})" if len(seeds) > 1 else ""
+    return f"Policy sweep on the {', '.join(recipes)} recipe: {policies}{repeats}"
+
+
+def sweep_rows(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per policy: the median of its runs (repeats differing in seed) and the spread of the two figures
+    a headline compares (tokens/s, first step); ``vs_none`` from the medians."""
+
+    def median(values: List[Any]) -> Any:
+        values = sorted(v for v in values if v is not None)
+        return statistics.median(values) if values else None
+
+    def spread(values: List[Any], digits: int) -> Optional[str]:
+        values = [v for v in values if v is not None]
+        return f"{min(values):,.{digits}f}-{max(values):,.{digits}f}" if len(values) > 1 else None
+
+    def tokens_per_s(summary: Dict[str, Any]) -> Optional[float]:  # items a step over the median step
+        mean_rate, mean_step = summary.get("steady_items_per_s"), summary.get("steady_step_time_s")
+        median_step = summary.get("steady_step_time_median_s")
+        return mean_rate * mean_step / median_step if mean_rate and mean_step and median_step else mean_rate
+
+    by_policy: Dict[str, List[Dict[str, Any]]] = {}
+    for run in runs:
+        by_policy.setdefault(run.get("policy") or "-", []).append(run)
+    rows = []
+    for policy, group in by_policy.items():
+        summaries = [run.get("summary", {}) for run in group]
+        tps = [tokens_per_s(summary) for summary in summaries]
+        first = [summary.get("first_step_time_s") for summary in summaries]
+        steps = [summary.get("steady_step_time_median_s") for summary in summaries]
+        peak = median([summary.get("peak_memory_bytes") for summary in summaries])
+        row = {"policy": policy, "runs": len(group), "ok": sum(run.get("status") == "ok" for run in group)}
+        row |= {"compile_s": median([summary.get("compile_time_s") for summary in summaries])}
+        row |= {"first_step_s": median(first), "first_step_s_spread": spread(first, 2)}
+        row |= {"steady_step_ms": None if median(steps) is None else median(steps) * 1e3}
+        row |= {"tokens_per_s": median(tps), "tokens_per_s_spread": spread(tps, 0)}
+        row |= {k: median([summary.get(k) for summary in summaries]) for k in ("mfu", "recompiles", "graph_breaks")}
+        row |= {"peak_mem_gib": None if peak is None else peak / 2**30}
+        row |= {"final_val_loss": median([run.get("final_val_loss") for run in group])}
+        rows.append(row | {"error": next((run.get("error") for run in group if run.get("error")), None)})
+    base = next((row["tokens_per_s"] for row in rows if row["policy"] == "none"), None)
+    for row in rows:
+        row["vs_none"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    return sorted(rows, key=lambda row: -(row["tokens_per_s"] or 0))
 
 
 def sweep_body(path: str, sweep: Dict[str, Any], out_dir: Path) -> List[str]:
@@ -157,28 +202,15 @@ def sweep_body(path: str, sweep: Dict[str, Any], out_dir: Path) -> List[str]:
         f"{(first.get('started_at') or '-')[:10]}; command: `{command}`",
         "",
     ]
-    lines += [] if "changed_since" in sweep else [headline_line({"meta": {"commit": first.get("commit")}}), ""]
-    baseline = next((r for r in runs if r.get("policy") == "none" and r.get("status") == "ok"), None)
-    base_tps = (baseline or {}).get("summary", {}).get("steady_items_per_s")
-    rows = []
-    for run in sorted(runs, key=lambda r: -(r.get("summary", {}).get("steady_items_per_s") or 0)):
-        summary = run.get("summary", {})
-        tps = summary.get("steady_items_per_s")
-        peak = summary.get("peak_memory_bytes")
-        step = summary.get("steady_step_time_s")
-        row = {"policy": run.get("policy"), "status": run.get("status"), "compile_s": summary.get("compile_time_s")}
-        row |= {
-            "first_step_s": summary.get("first_step_time_s"),
-            "steady_step_ms": None if step is None else step * 1e3,
-        }
-        row |= {"tokens_per_s": tps, "vs_none": None if not (tps and base_tps) else tps / base_tps}
-        row |= {k: summary.get(k) for k in ("mfu", "recompiles", "graph_breaks")}
-        row |= {"peak_mem_gib": None if peak is None else peak / 2**30}
-        rows.append(row | {"final_val_loss": run.get("final_val_loss"), "error": run.get("error")})
+    rows = sweep_rows(runs)
+    measured = {"meta": {"commit": first.get("commit")}, "rows": [{"repeats": row["runs"]} for row in rows]}
+    lines += [] if "changed_since" in sweep else [headline_line(measured), ""]
     lines += markdown_table(list(rows[0]), rows) + [""]
+    seeds = sorted({run.get("seed") for run in runs}, key=str)
     lines.append(
-        f"- {first.get('steps')} steps per run, seed {first.get('seed')}, precision {first.get('precision')}, "
-        f"fresh compile cache: {first.get('fresh_cache')}; tokens/s: steady items/s of the run's telemetry"
+        f"- {first.get('steps')} steps per run, seeds {', '.join(map(str, seeds))} (each policy's row: the median over "
+        f"its runs), precision {first.get('precision')}, fresh compile cache: "
+        f"{first.get('fresh_cache')}; tokens/s from the run's median steady step"
     )
     if (DOCS / f"{sweep['name']}.md").exists():
         lines.append(f"- The full report (`compile-trainer report`) and what was decided: docs/{sweep['name']}.md")
