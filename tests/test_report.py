@@ -98,6 +98,38 @@ def test_payback_loss_check_unequal_runs_and_a_run_without_result(sweep_dir, cap
     assert "pays off after 200 steps; ranked higher but flagged: max_autotune, reduce_overhead)." in text
 
 
+def test_runs_that_differ_only_in_seed_are_repeats_compared_seed_by_seed(tmp_path, capsys):
+    """``-m compile=none,full,regional seed=0,1``: each run against its own seed's baseline and data (no flag for
+    the seed), a table of medians with their spread, and the recommendation from the medians. Seed 1 runs
+    everything 25% slower (another host, say): ratios stay those of the seed."""
+    job = 0
+    for seed, slower in ((0, 1.0), (1, 1.25)):
+        for policy, step in (("none", 0.1), ("full", 0.05), ("regional", 0.04)):
+            overrides = [f"compile={policy}", f"seed={seed}"]
+            data = {"block_size": 32, "seed": seed}
+            write_run(tmp_path, job, policy, step=step * slower, seed=seed, overrides=overrides, data=data)
+            job += 1
+    assert cli_main(["report", str(tmp_path), "--no-plot"]) == 0
+    text = capsys.readouterr().out
+    rows = report_rows(text)
+    assert rows["regional seed=1"][7] == rows["regional seed=0"][7] == "2.50x", "against its own seed's baseline"
+    assert "not comparable" not in text and "Equal comparison: yes" in text and "seeds 0, 1" in text
+    repeats = text.split("Over the seeds (medians):")[1].splitlines()
+    regional = next(re.split(r"\s{2,}", line) for line in repeats if line.startswith("regional"))
+    # 1000 tokens a step: 25,000 and 20,000 tokens/s, median 22,500
+    assert regional[:6] == ["regional", "2/2", "0.0", "22,500", "20,000-25,000", "2.50x"]
+    assert "Recommendation: regional (best median throughput over 2 seeds: 22,500 tokens/s; 2.50x" in text
+
+
+def test_a_seed_without_its_own_baseline_is_compared_with_the_sweeps(tmp_path):
+    write_run(tmp_path, 0, "none", overrides=["compile=none", "seed=0"])
+    write_run(tmp_path, 1, "full", step=0.05, seed=1, data={"block_size": 32, "seed": 1}, overrides=["compile=full"])
+    report = build_report(tmp_path)
+    full = next(run for run in report.runs if run.policy == "full")
+    assert report.speedup(full) == pytest.approx(2.0)
+    assert any(flag.startswith("not comparable with none seed=0: seed 1 vs 0") for flag in full.flags), full.flags
+
+
 def test_loss_tolerance_and_objective_change_the_verdict(sweep_dir, capsys):
     report = build_report(sweep_dir, objective="train_time", loss_tolerance=0.2)
     assert not any("final loss" in flag for run in report.runs for flag in run.flags)

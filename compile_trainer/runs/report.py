@@ -3,12 +3,15 @@
 Reads the ``result.json`` files that ``train.py`` writes (never W&B's servers). Runs that failed are
 listed with their error and runs that left no result (still running, killed) with their overrides:
 no run is dropped silently. Speedups, payback and the loss check are against the sweep's eager
-baseline: a ``none`` run (nothing compiled, optimizer included). Needs neither Hydra nor W&B.
+baseline: a ``none`` run (nothing compiled, optimizer included). Runs that differ only in ``seed`` are repeats:
+each is compared with the baseline and the runs of its own seed, and a table of medians over the seeds (with
+their spread) ranks the settings; the recommendation then comes from it. Needs neither Hydra nor W&B.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -46,6 +49,7 @@ COLUMNS = (
     "final loss",
     "loss vs none",
 )
+REPEAT_COLUMNS = ("setting", "runs ok", "compile s", "steady tokens/s", "spread", "vs none", "flagged runs")
 
 
 def cold_compile_time(result: Dict[str, Any]) -> Optional[float]:
@@ -91,6 +95,17 @@ class Run:
         if self.result is not None:
             return str(self.result.get("policy"))
         return dict(_split(o) for o in self.overrides).get("compile", "?")
+
+    @property
+    def seed(self) -> Any:
+        if self.result is not None:
+            return self.result.get("seed")
+        return dict(_split(o) for o in self.overrides).get("seed")
+
+    @property
+    def setting(self) -> str:
+        """The label without the seed: the runs of one setting are repeats."""
+        return " ".join(word for word in self.label.split(" ") if not word.startswith(("seed=", "#")))
 
     def summary(self, key: str) -> Optional[float]:
         return ((self.result or {}).get("summary") or {}).get(key)
@@ -163,6 +178,23 @@ class Report:
     loss_tolerance: float = DEFAULT_LOSS_TOLERANCE
     baseline: Optional[Run] = None
     notes: List[str] = field(default_factory=list)
+    baselines: Dict[Any, Run] = field(default_factory=dict)  # seed -> that seed's eager baseline
+
+    @property
+    def seeds(self) -> List[Any]:
+        return sorted({run.seed for run in self.runs if run.result is not None}, key=str)
+
+    @property
+    def repeated(self) -> bool:
+        """Some setting ran with more than one seed."""
+        settings: Dict[str, set] = {}
+        for run in self.runs:
+            settings.setdefault(run.setting, set()).add(run.seed)
+        return any(len(seeds) > 1 for seeds in settings.values())
+
+    def baseline_for(self, run: Run) -> Optional[Run]:
+        """The eager baseline of the run's seed, else the sweep's."""
+        return self.baselines.get(run.seed, self.baseline)
 
     @property
     def ranked(self) -> List[Run]:
@@ -178,7 +210,8 @@ class Report:
     # -- numbers --------------------------------------------------------------------------------------
 
     def speedup(self, run: Run) -> Optional[float]:
-        base = objective_value(self.baseline.result, "throughput") if self.baseline else None
+        baseline = self.baseline_for(run)
+        base = objective_value(baseline.result, "throughput") if baseline else None
         value = objective_value(run.result, "throughput") if run.ok else None
         return value / base if value is not None and base else None
 
@@ -195,9 +228,10 @@ class Report:
 
     def payback_steps(self, run: Run) -> Optional[float]:
         """Training steps after which the run has caught up with the baseline (``inf``: never)."""
-        if self.baseline is None or not run.ok or run is self.baseline:
+        baseline = self.baseline_for(run)
+        if baseline is None or not run.ok or run is baseline:
             return None
-        mine, base = self._overhead(run), self._overhead(self.baseline)
+        mine, base = self._overhead(run), self._overhead(baseline)
         if mine is None or base is None:
             return None
         extra, saved = mine[0] - base[0], base[1] - mine[1]
@@ -207,9 +241,10 @@ class Report:
 
     def loss_change(self, run: Run) -> Optional[float]:
         """Relative difference of the run's final loss from the baseline's (same kind: validation or training)."""
-        if self.baseline is None or not run.ok:
+        baseline = self.baseline_for(run)
+        if baseline is None or not run.ok:
             return None
-        base = self.baseline.result
+        base = baseline.result
         for key in ("final_val_loss", "final_train_loss"):
             mine, theirs = run.result.get(key), base.get(key)
             if mine is not None and theirs is not None:
@@ -220,8 +255,8 @@ class Report:
 
     def check(self) -> None:
         """Flag failed runs, losses off the baseline's, and runs that were not set up like the others."""
-        reference = self.baseline or next((run for run in self.runs if run.ok), None)
         for run in self.runs:
+            reference = self.reference_for(run)
             if run.status == "failed":
                 error = run.result.get("error") or {}
                 run.flags.append(f"failed: {error.get('type')}: {_first_line(error.get('message'))}")
@@ -229,9 +264,10 @@ class Report:
                 run.flags.append("no result file: still running, or killed before it could write one")
             change = self.loss_change(run)
             if change is not None and abs(change) > self.loss_tolerance:
+                baseline = self.baseline_for(run)
                 run.flags.append(
-                    f"final loss {final_loss(run.result):.4f} is {change:+.1%} off {self.baseline.label}'s "
-                    f"{final_loss(self.baseline.result):.4f} (tolerance {self.loss_tolerance:.0%})"
+                    f"final loss {final_loss(run.result):.4f} is {change:+.1%} off {baseline.label}'s "
+                    f"{final_loss(baseline.result):.4f} (tolerance {self.loss_tolerance:.0%})"
                 )
             if reference is not None and run.result is not None and run is not reference:
                 differences = [
@@ -244,14 +280,26 @@ class Report:
         if self.baseline is None:
             self.notes.append("no eager baseline (a `none` run) finished: no speedups, payback or loss check")
 
+    def reference_for(self, run: Run) -> Optional[Run]:
+        """What a run must be set up like: its speedup's baseline (its seed's, else the sweep's), so that repeats
+        over seeds are compared seed by seed; without any baseline, the first finished run of its seed."""
+        baseline = self.baseline_for(run)
+        if baseline is not None:
+            return baseline
+        same_seed = [other for other in self.runs if other.ok and other.seed == run.seed]
+        return next(iter(same_seed), None) or next((other for other in self.runs if other.ok), None)
+
     def equal_comparison(self) -> str:
         reported = [run for run in self.runs if run.result is not None]
         if not reported:
             return "Equal comparison: no run has a result yet."
         unequal = [run for run in self.runs if any(f.startswith("not comparable") for f in run.flags)]
         reference = (self.baseline or next((r for r in reported if r.ok), reported[0])).result
+        seeds = self.seeds
+        seed = f"seeds {', '.join(map(str, seeds))}, each run against its seed's" if len(seeds) > 1 else "seed"
+        seed += "" if len(seeds) > 1 else f" {reference.get('seed')}"
         described = (
-            f"seed {reference.get('seed')}, {reference.get('steps')} steps, recipe {reference.get('recipe')} "
+            f"{seed}, {reference.get('steps')} steps, recipe {reference.get('recipe')} "
             f"with the same data (order from the seed) and model settings, precision {reference.get('precision')}, "
             f"{'fresh' if reference.get('fresh_cache') else 'shared'} Inductor cache"
         )
@@ -317,7 +365,59 @@ class Report:
             f"{'higher' if OBJECTIVES[self.objective].maximize else 'lower'} is better.",
         ]
 
+    def repeat_rows(self) -> List[List[str]]:
+        """One row per setting run with several seeds: medians over its finished runs, and their spread."""
+        settings: Dict[str, List[Run]] = {}
+        for run in self.runs:
+            settings.setdefault(run.setting, []).append(run)
+        rows = []
+        for setting, runs in sorted(settings.items(), key=lambda item: -(self._median_objective(item[1]) or 0)):
+            done = [run for run in runs if run.ok]
+            throughput = [objective_value(run.result, "throughput") for run in done]
+            throughput = [value for value in throughput if value is not None]
+            rows.append(
+                [
+                    setting,
+                    f"{len(done)}/{len(runs)}",
+                    _fmt(_median([run.summary("compile_time_s") for run in done]), "{:,.1f}"),
+                    _fmt(_median(throughput), "{:,.0f}"),
+                    f"{min(throughput):,.0f}-{max(throughput):,.0f}" if len(throughput) > 1 else "-",
+                    _fmt(_median([self.speedup(run) for run in done]), "{:.2f}x"),
+                    str(sum(len(run.flags) > 0 for run in runs)),
+                ]
+            )
+        return rows
+
+    def _median_objective(self, runs: List[Run]) -> Optional[float]:
+        values = [objective_value(run.result, self.objective) for run in runs if run.ok and not run.flags]
+        return _median(values)
+
     def recommendation(self) -> str:
+        if self.repeated:
+            return self._recommendation_over_seeds()
+        return self._recommendation_of_one_run()
+
+    def _recommendation_over_seeds(self) -> str:
+        settings: Dict[str, List[Run]] = {}
+        for run in self.runs:
+            settings.setdefault(run.setting, []).append(run)
+        scored = [(name, self._median_objective(runs), runs) for name, runs in settings.items()]
+        scored = [item for item in scored if item[1] is not None]
+        if not scored:
+            return "Recommendation: no run finished without a flag; see the flags below."
+        maximize = OBJECTIVES[self.objective].maximize
+        name, value, runs = sorted(scored, key=lambda item: -item[1] if maximize else item[1])[0]
+        counted = sum(run.ok and not run.flags for run in runs)
+        text = (
+            f"Recommendation: {name} (best median {self.objective} over {counted} seeds: "
+            f"{_objective_text(self.objective, value)}"
+        )
+        speedup = _median([self.speedup(run) for run in runs if run.ok and not run.flags])
+        if speedup is not None and all(run.policy != "none" for run in runs):
+            text += f"; {speedup:.2f}x its seeds' baselines (median)"
+        return text + ")."
+
+    def _recommendation_of_one_run(self) -> str:
         candidates = [
             run
             for run in self.ranked
@@ -354,7 +454,10 @@ class Report:
     def text(self, plot: Optional[Path] = None) -> str:
         table = text_table(COLUMNS, self.rows())
         flags = self.flag_lines()
-        parts = [*self.headline(), "", *table, "", self.recommendation()]
+        parts = [*self.headline(), "", *table, ""]
+        if self.repeated:
+            parts += ["Over the seeds (medians):", *text_table(REPEAT_COLUMNS, self.repeat_rows()), ""]
+        parts.append(self.recommendation())
         if flags:
             parts += ["Flags:", *(f"  - {f}" for f in flags)]
         if plot is not None:
@@ -366,7 +469,11 @@ class Report:
             return "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
 
         table = [cells(COLUMNS), cells("---" for _ in COLUMNS), *(cells(r) for r in self.rows())]
-        parts = [*(f"- {line}" for line in self.headline()), "", *table, "", self.recommendation()]
+        parts = [*(f"- {line}" for line in self.headline()), "", *table, ""]
+        if self.repeated:
+            repeats = [cells(REPEAT_COLUMNS), cells("---" for _ in REPEAT_COLUMNS)]
+            parts += ["Over the seeds (medians):", "", *repeats, *(cells(r) for r in self.repeat_rows()), ""]
+        parts.append(self.recommendation())
         flags = self.flag_lines()
         if flags:
             parts += ["", "Flags:", "", *(f"- {f}" for f in flags)]
@@ -445,10 +552,19 @@ def build_report(
     if not loss_tolerance >= 0:
         raise ReportError(f"the loss tolerance must be >= 0, got {loss_tolerance}")
     runs = find_runs(directory)
-    baseline = next((run for run in runs if run.result is not None and is_baseline(run.result)), None)
-    report = Report(Path(directory), runs, objective, loss_tolerance, baseline)
+    baselines: Dict[Any, Run] = {}
+    for run in runs:
+        if run.result is not None and is_baseline(run.result):
+            baselines.setdefault(run.seed, run)
+    baseline = next(iter(baselines.values()), None)
+    report = Report(Path(directory), runs, objective, loss_tolerance, baseline, baselines=baselines)
     report.check()
     return report
+
+
+def _median(values: List[Optional[float]]) -> Optional[float]:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 def _first_line(text: Optional[str]) -> str:
