@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_trainer import apply_policy, format_plan_table, to_policy
+from compile_trainer import apply_policy, compat, format_plan_table, to_policy
 from compile_trainer.compiling.block_values import KEEP_BUFFER, share_stochastic_depth
 from compile_trainer.compiling.regions import ENTRY_PREFIX
 from compile_trainer.planning.selection import resolve_plan
@@ -91,12 +91,24 @@ def regional(model: nn.Module):
     return apply_policy(model, to_policy("regional", backend="aot_eager"))
 
 
+# Before torch 2.13 Dynamo specializes a float attribute of a module however the entry is primed: there the trial
+# trace finds it, and the plan splits the blocks by value before training (docs/regional.md).
+FLOATS_SHARED = compat.torch_version() >= (2, 13)
+SPECIALIZED = "which the compiler specializes (a trial trace of one block before training guards on"
+
+
 def test_blocks_differing_in_a_per_layer_scale_share_one_graph_with_the_scales_as_inputs():
     model = Stack(drop_path=False)
     eager = train(copy.deepcopy(model))
     applied = regional(model)
+    notes = "\n".join(applied.notes)
+    if not FLOATS_SHARED:
+        assert f"5 ScaledBlock blocks differ in scale, {SPECIALIZED} scale" in notes, notes
+        assert not block_entries(applied), "five values, too little reuse: compiled whole"
+        torch.testing.assert_close(train(model), eager)
+        return
     assert len(block_entries(applied)) == 1, "five blocks, one entry"
-    assert "5 ScaledBlock blocks differ only in the floats scale: one graph" in "\n".join(applied.notes)
+    assert "5 ScaledBlock blocks differ only in the floats scale: one graph" in notes
     torch.testing.assert_close(train(model), eager)
     compiles = block_compiles()
     assert len(compiles) == 1 and compiles[0][1] == 0, f"one graph, compiled once, never recompiled: {compiles}"
@@ -130,10 +142,8 @@ def test_a_float_the_compiler_specializes_splits_the_blocks_in_the_plan_which_th
     applied = regional(model)
     table = format_plan_table(applied)
     assert [(item.region.name, item.region.role) for item in applied.compiled] == [("stem", "full"), ("blocks", "full")]
-    assert (
-        "5 ScaledBlock blocks differ in drop_path.drop_prob, which the compiler specializes (a trial trace of one "
-        "block before training guards on drop_path.drop_prob" in table
-    ), "the scale stays a graph input"
+    specialized = "drop_path.drop_prob" if FLOATS_SHARED else "scale, drop_path.drop_prob"
+    assert f"5 ScaledBlock blocks differ in {specialized}, {SPECIALIZED}" in table, "the scale stays a graph input"
     assert "blocks (Sequential): 5 blocks in 5 distinct structures, 1.0 per compiled graph" in table
     torch.testing.assert_close(train(model), eager)  # aot_eager draws the same random numbers as eager
     assert_ran_as_planned(applied, table)
@@ -378,4 +388,7 @@ def test_a_block_that_warns_once_is_traced_by_the_trial_as_its_region_compiles_i
     applied = regional(model)
     notes = "\n".join(applied.notes)
     assert "no trial trace" not in notes, notes
+    if not FLOATS_SHARED:  # the trial ran: it found the specialized scale
+        assert f"4 WarnsOnceBlock blocks differ in scale, {SPECIALIZED} scale" in notes, notes
+        return
     assert "4 WarnsOnceBlock blocks differ only in the floats scale: one graph" in notes, notes
