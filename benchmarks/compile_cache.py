@@ -40,12 +40,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL, TokenLoss, build_model  # noqa: E402
+from recipes.gpt import GPTConfig  # noqa: E402
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")
 PHASES = ("cold", "cold_no_cache", "same_machine", "new_machine_mega", "new_machine_traced", "new_machine", "eager")
 LAYERS = {"new_machine_mega": ["mega_cache"], "new_machine_traced": ["mega_cache", "cache_dirs"]}  # else all
 CACHE_MODES = {"cold": "read-write", "same_machine": "off", "cold_no_cache": "off"}  # else read-only
+SMOKE = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
 # the bundle is written after the third step (forward, backward and optimizer all compiled), its captures run then;
 # two more steps follow, so the losses show whether training goes on as before after a capture (CUDA graphs too)
@@ -57,31 +60,12 @@ loss_rel_diff_vs_cold""".split()
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
     """The model, random weights, dropout off; ``forward(tokens)`` returns the loss."""
-    if name == "llama":
-        from benchmarks.real_models import build_model
+    from recipes.gpt import GPT
 
-        with device:
-            return TokenLoss(build_model("llama", smoke)[0], hf=True)
-    from recipes.gpt import GPT, GPTConfig
-
-    sizes = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-    if smoke:
-        sizes = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
     with device:
-        return TokenLoss(GPT(GPTConfig(**sizes, dropout=0.0)), hf=False)
-
-
-class TokenLoss(nn.Module):
-    """A language model whose ``forward(tokens)`` returns its loss: an HF causal LM's, or the recipe GPT's."""
-
-    def __init__(self, model: nn.Module, hf: bool):
-        super().__init__()
-        self.model, self.hf = model, hf
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.hf:
-            return self.model(input_ids=tokens, labels=tokens).loss
-        return self.model(tokens[:, :-1], tokens[:, 1:])[1]
+        if name == "llama":
+            return TokenLoss(build_model("llama", smoke)[0], hf=True)
+        return TokenLoss(GPT(SMOKE if smoke else GPT2_SMALL), hf=False)
 
 
 def run_phase(args: argparse.Namespace) -> Dict[str, Any]:

@@ -35,7 +35,6 @@ COLUMNS = [
     "first_step_vs_1", "recompiles_by_rank", "divergent_ranks", "graphs_by_rank", "peak_memory_gb_by_rank",
     "cache", "error",
 ]  # fmt: skip
-GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
@@ -93,12 +92,13 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
         def __init__(self) -> None:
             super().__init__()
             if args.model == "gpt2":
+                from benchmarks.models import GPT2_SMALL
                 from recipes.gpt import GPT, GPTConfig
 
-                config = GPTConfig(**(SMOKE_GPT2 if args.smoke else GPT2))
+                config = GPTConfig(**SMOKE_GPT2) if args.smoke else GPT2_SMALL
                 self.model, self.vocab = GPT(config), config.vocab_size
             else:
-                from benchmarks.real_models import build_model
+                from benchmarks.models import build_model
 
                 self.model, _, self.vocab = build_model("llama", args.smoke)
 

@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
@@ -44,7 +46,7 @@ from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa
 from recipes.data import TokenBatch  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
-GPT2_SMALL_6 = GPTConfig(vocab_size=50304, block_size=1024, n_layer=6, n_head=12, n_embd=768)
+GPT2_SMALL_6 = replace(GPT2_SMALL, n_layer=6)
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 VARIANTS = ["plain", "dynamic", "buckets", "regional_dynamic", "regional_buckets"]
 COLUMNS = ["variant", "total_s", "graphs", "recompiles", "compile_s", "steady_step_ms", "tokens_per_s", "padding"]
@@ -69,14 +71,6 @@ def shapes_for(variant: str, buckets: List[int]) -> ShapesPolicy:
     return ShapesPolicy()
 
 
-class Root(nn.Module):
-    """The model under ``model``, as in the recipes' LightningModule, so the bundled rules match."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-
 def compiled_forward(variant: str, model: GPT, shaper: BatchShaper, backend: str, device: torch.device) -> Any:
     if variant == "plain" or variant == "dynamic":
         return torch.compile(model, backend=backend)
@@ -87,7 +81,7 @@ def compiled_forward(variant: str, model: GPT, shaper: BatchShaper, backend: str
     policy = validate_policy(
         CompilePolicy(name=variant, backend=backend, dynamic=dynamic, rules=rules, shapes=shaper.shapes)
     )
-    applied = apply_policy(Root(model), policy, device=device)
+    applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
     RegionShapeInterceptors(applied, shaper)  # marks the regions' inputs like the batch
     return model
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
-from benchmarks.real_models import build_model  # noqa: E402
+from benchmarks.models import build_model  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402

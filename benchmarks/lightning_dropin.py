@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
+from benchmarks.models import build_model, count_flops, vision_model  # noqa: E402
 
 MODELS = ("llama", "vit")
 VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
@@ -43,13 +43,11 @@ COLUMNS = [
 
 
 def build(name: str, smoke: bool) -> nn.Module:
-    """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in)."""
+    """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in),
+    its loss inside (``WithLoss``)."""
     if name == "llama":
         return build_model("llama", smoke)[0]
-    import timm
-
-    tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2) if smoke else {}
-    return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000, **tiny)
+    return vision_model("vit", smoke, 1000, stand_in=False)[0]
 
 
 def batches(name: str, smoke: bool, count: int) -> List[Any]:
@@ -73,10 +71,7 @@ def make_module(name: str, net: nn.Module) -> Any:
             self.net = net
 
         def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-            if name == "llama":
-                return self.net(**batch).loss
-            images, labels = batch
-            return nn.functional.cross_entropy(self.net(images), labels)
+            return self.net(**batch).loss if name == "llama" else self.net(*batch)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=self.device.type == "cuda")
@@ -109,22 +104,20 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     torch.manual_seed(0)
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
-    # real_models' FLOP count: a language model takes its ids as labels, a classifier (images, labels) with its loss
-    if args.model == "llama":
-        flops = count_flops("lm", net.to(device), data[0]["input_ids"].to(device), autocast=on_gpu)
-    else:
-        images, labels = (t.to(device) for t in data[0])
-        flops = count_flops("image", WithLoss(net).to(device), (images, labels), autocast=on_gpu)
+    module = make_module(args.model, net.to(device))
+    first = data[0]
+    first = {k: v.to(device) for k, v in first.items()} if isinstance(first, dict) else [t.to(device) for t in first]
+    flops = count_flops(net, lambda: module.training_step(first, 0), device.type, autocast=on_gpu)
     callbacks: List[Any] = []
     compile_callback = None
     if args.variant == "by_hand":
-        net = torch.compile(net, **({"backend": "aot_eager"} if args.smoke else {}))
+        module.net = torch.compile(net, **({"backend": "aot_eager"} if args.smoke else {}))
     elif args.variant != "eager":
         compile_callback = CompileCallback(args.variant, **({"backend": "aot_eager"} if args.smoke else {}))
         callbacks.append(compile_callback)
     clock = step_clock(device)
     trainer = common.quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
-    trainer.fit(make_module(args.model, net), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     units = "tokens" if args.model == "llama" else "images"

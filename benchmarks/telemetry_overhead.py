@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List
@@ -29,12 +30,12 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.lightning.fit_telemetry import FitTelemetry  # noqa: E402
 from compile_trainer.schema import CompilePolicy, Rule, TelemetryConfig, validate_policy  # noqa: E402
 from recipes.gpt import LanguageModel  # noqa: E402
 
-GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0)
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 
 
@@ -53,7 +54,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     device = common.device_for(args.smoke)
-    shape = TINY if args.smoke else GPT2_SMALL
+    shape = TINY if args.smoke else asdict(GPT2_SMALL)
     torch.manual_seed(0)
     module = LanguageModel(model=shape, fused=device.type == "cuda").to(device)
     optimizer = module.configure_optimizers()["optimizer"]

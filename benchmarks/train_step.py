@@ -28,18 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import StepTimer, synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL, count_flops  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
-GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of training: the loop (a plain PyTorch loop or a Lightning Trainer) and how it compiles;
-    ``policy`` names a bundled compile policy, with ``overrides`` merged over it; ``module`` holds arguments
-    of the recipe's ``LanguageModel``."""
+    """One way of training: the loop (``raw`` PyTorch or ``lightning``), how it compiles, a bundled ``policy``
+    with ``overrides``, and arguments of the recipe's ``LanguageModel`` (``module``)."""
 
     loop: str
     how: str
@@ -120,11 +119,8 @@ VARIANTS = {
 
 
 class GcRecorder:
-    """Python garbage collections in the timed window: how many of each generation and how long they paused the
-    host. A full collection walks every object the compilers and Lightning keep alive; in a loop whose host
-    barely keeps up with the GPU, that pause is lost throughput the per-step medians do not show. ``--gc
-    freeze`` collects once after the warm-up and moves the survivors out of the collector's sight
-    (``gc.freeze()``), as a loop that reached steady state may."""
+    """Python's garbage collections in the timed window, per generation, and the host time they paused: lost
+    throughput the per-step medians do not show. ``--gc freeze`` collects once and ``gc.freeze()``s the survivors."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -153,8 +149,8 @@ class GcRecorder:
 
 
 class SyncRecorder:
-    """Counts device synchronizations in the timed window (``torch.cuda.set_sync_debug_mode``), with where
-    they come from: a sync a step stops the host from running ahead and starves the GPU."""
+    """Device synchronizations in the timed window by call site (``torch.cuda.set_sync_debug_mode``): each one
+    stops the host from running ahead and starves the GPU."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -179,8 +175,8 @@ class SyncRecorder:
 
 
 class HostProfile:
-    """Where time goes in the timed steps: cProfile of the host (``--host-profile``), or the device's kernels
-    by total time (``--kernel-profile``); for finding out why one loop keeps the GPU less busy than another."""
+    """Where time goes in the timed steps: cProfile of the host (``--host-profile``) and the device's kernels by
+    total time (``--kernel-profile``)."""
 
     def __init__(self, host: bool, kernels: bool, steps: int):
         self.cprofile = cProfile.Profile() if host else None
@@ -265,14 +261,7 @@ def make_module(variant: str, config: GPTConfig, device: torch.device) -> Langua
 
 
 def measure_flops(model: GPT, batch: torch.Tensor, autocast: bool) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter, torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
-        _, loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    return count_flops(model, lambda: model(batch[:, :-1], batch[:, 1:])[1], batch.device.type, autocast)
 
 
 def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
