@@ -195,13 +195,12 @@ def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machin
 
 
 def main() -> None:
-    parser = common.arguments(__doc__.split("\n")[0], "compile_cache", "tiny models on the CPU")
+    parser = common.arguments(__doc__.split("\n")[0], "compile_cache", "tiny models on the CPU", timeout=240)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
     parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
     parser.add_argument("--append", action="store_true", help="add the rows to --out's (a run split in two)")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds per phase")
     common.hidden(parser, "--phase", choices=PHASES)
     common.hidden(parser, "--model", "--policy")
     args = parser.parse_args()

@@ -398,15 +398,14 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "distributed", "CPU, 2 gloo processes, tiny models, aot_eager")
+    smoke = "CPU, 2 gloo processes, tiny models, aot_eager"
+    parser = common.arguments(__doc__, "distributed", smoke, steps=None, timeout=600)
     parser.add_argument("--models", default="gpt2,llama", help="gpt2 (the recipe's GPT-2 small), llama (HF)")
     parser.add_argument("--experiments", default="scaling,collectives,cache")
     parser.add_argument("--strategies", default="ddp,fsdp2")
     parser.add_argument("--policies", default="regional,full")
     parser.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU; 2 with --smoke)")
     parser.add_argument("--batch", type=int, default=None, help="samples per rank a step (8; 2 with --smoke)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
-    parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
     parser.add_argument(
         "--ddp-options", default="", help=f"ddp-options: only these of {', '.join(OPTIONS)} (default: all runs)"
     )

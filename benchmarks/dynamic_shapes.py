@@ -132,15 +132,14 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
 
 
 def main(argv: List[str] = None) -> Dict[str, Any]:
-    parser = common.arguments(__doc__.splitlines()[0], "dynamic_shapes", "tiny model on the CPU (aot_eager), for CI")
+    smoke = "tiny model on the CPU (aot_eager), for CI"
+    parser = common.arguments(__doc__.splitlines()[0], "dynamic_shapes", smoke, steps=60, backend="inductor")
     parser.add_argument("--variants", default="plain,dynamic,buckets")
-    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--min-length", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--buckets", type=lambda text: [int(x) for x in text.split(",")], default=[128, 256, 512, 1024])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="inductor")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]

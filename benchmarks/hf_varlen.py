@@ -287,17 +287,17 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    parser = common.arguments(__doc__.splitlines()[0], "hf_varlen", "tiny Llama on the CPU, aot_eager, 8 steps")
+    smoke = "tiny Llama on the CPU, aot_eager, 8 steps"
+    parser = common.arguments(
+        __doc__.splitlines()[0], "hf_varlen", smoke, steps=200, backend="inductor", variant_timeout=240
+    )
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help=f"of {VARIANTS}; a policy's with @key=value")
-    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--min-length", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", choices=list(ROWS), default="equal", help="one length a batch, or ragged rows")
     parser.add_argument("--profile", type=int, default=0, help="profile N more steps a variant, after the stream")
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
     parser.add_argument("--plain-timeout", type=int, help="seconds for plain (default: --variant-timeout)")
     common.hidden(parser, "--worker")
     args = parser.parse_args()

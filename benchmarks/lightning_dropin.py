@@ -199,11 +199,9 @@ def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str,
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "lightning_dropin", "CPU, tiny models, backend aot_eager")
+    parser = common.arguments(__doc__, "lightning_dropin", "CPU, tiny models, aot_eager", steps=None, timeout=240)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=None, help="training steps a variant (50; 4 with --smoke)")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds a variant may take")
     parser.add_argument("--cache-policies", default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)")
     common.hidden(parser, "--cache-run", "--bundle", "--model", "--variant")
     common.hidden(parser, "--worker", action="store_true")

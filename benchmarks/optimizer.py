@@ -309,9 +309,8 @@ def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int,
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = common.arguments(__doc__, "optimizer", "tiny model on the CPU with aot_eager, 20 steps")
-    parser.add_argument("--steps", type=int, help="scheduled steps per variant (default 1000; smoke 20)")
-    parser.add_argument("--backend", help="torch.compile backend (default inductor; smoke aot_eager)")
+    smoke = "tiny model on the CPU with aot_eager, 20 steps"
+    parser = common.arguments(__doc__, "optimizer", smoke, steps=None, backend=None)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
     parser.add_argument("--no-training-rows", action="store_true", help="skip the in-training rows")
     parser.add_argument(

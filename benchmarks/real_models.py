@@ -1,9 +1,8 @@
 """Real models: eager vs torch.compile vs accelerate's compile_regions vs the bundled policies, side by side.
 
-HF Llama (16 layers, d 1024, 16 heads / 8 KV heads, vocab 32000; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens),
-ViT-B/16 and ResNet-50 (timm, or transformers' where timm is not installed; 64 images of 224², the loss inside a
-wrapper), random weights, bf16 autocast, fused AdamW; each variant in a fresh process with empty compile caches
-(``--isolation variant``), so its first step shows the cold compile a user pays. GPU run, in two 10-minute commands:
+HF Llama (16 layers, d 1024, 8 KV heads; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens), ViT-B/16 and ResNet-50
+(64 images of 224²) from ``benchmarks/models.py``; bf16 autocast, fused AdamW; each variant in a fresh process with
+empty compile caches (``--isolation variant``): its first step is the cold compile a user pays. GPU run:
 
     python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
     python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
@@ -25,6 +24,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -156,8 +156,7 @@ def prepare(
 
 
 def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[str, Any]) -> Dict[str, Any]:
-    """Train ``args.warmup + args.steps`` steps of model ``name`` under ``variant``; return what was measured.
-    ``state`` carries the FLOP count from one variant to the next within a process."""
+    """Train model ``name`` under ``variant``; ``state`` keeps its FLOP count for the process's next variant."""
     from compile_trainer.telemetry.compile_events import CompileTelemetry
 
     device = common.device_for(args.smoke)
@@ -172,7 +171,7 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[s
         batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
     if "flops" not in state:
         try:
-            loss = lambda: loss_of(spec.family, model, batches[0])  # noqa: E731
+            loss = partial(loss_of, spec.family, model, batches[0])
             state["flops"] = models.count_flops(model, loss, device.type, autocast=device.type == "cuda")
         except Exception as error:  # no MFU, but the variant's other numbers
             state["flops"], state["flops_error"] = None, f"FLOPs not counted: {type(error).__name__}: {error}"[:300]
@@ -218,21 +217,16 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
         if len(losses) < LOSSES_COMPARED:
             losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    first_step = common.timed(device, lambda: step(0))
-    for index in range(1, args.warmup):
-        step(index)
-    times = common.time_steps(device, step, args.steps, args.warmup)
+    times = common.first_warm_timed(device, step, args.warmup, args.steps)
     telemetry.collect()
     totals = telemetry.totals()
     return {
-        "first_step_s": first_step,
+        "first_step_s": times["first_step_s"],
         "step_ms": times["step_s"] * 1e3,
         "step_s": times["step_s"],
         "slowest_step_ms": times["slowest_step_s"] * 1e3,
         "window_s": times["window_s"],
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": common.peak_memory_gib(device),
         "graphs": counters["stats"]["unique_graphs"],
         "recompiles": totals["recompiles"],
         "grad_mode_variants": totals["grad_mode_variants"],
@@ -250,8 +244,8 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
 
 
 def run_worker(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
-    """Run ``args.worker_runs`` (``model:variant``) one after the other, the compiler's state and caches reset
-    before each; write each one's result as soon as it is done (a run cut short keeps the ones before)."""
+    """``args.worker_runs`` (``model:variant``) in turn, compiler state and caches reset before each; the results
+    written after each (a run cut short keeps the ones before)."""
     if torch.cuda.is_available() and not args.smoke:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
@@ -396,13 +390,11 @@ def batch_text(name: str, smoke: bool) -> str:
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "real_models", "tiny configs on the CPU, aot_eager, few steps")
+    smoke = "tiny configs on the CPU, aot_eager, few steps"
+    parser = common.arguments(__doc__, "real_models", smoke, steps=30, warmup=5, backend=None, variant_timeout=150)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--variants", nargs="*", choices=list(PEERS), help="the peers to run (default: all)")
     parser.add_argument("--policies", nargs="*", help=f"bundled policies, each as policy_<name> ({DEFAULT_POLICIES})")
-    parser.add_argument("--steps", type=int, default=30, help="timed steady-state steps")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
-    parser.add_argument("--backend", help="compile backend of every variant (default: inductor; the policies' own)")
     parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s for MFU (default: 989.4 on H100/H200)")
     parser.add_argument("--channels-last", action="store_true", help="vision models and images in channels_last")
     parser.add_argument(
@@ -411,7 +403,6 @@ def main() -> None:
         help="a fresh process per variant (default; the honest cold start), per model, or one for the run (default "
         "with --smoke); the last two miss in a first step what a process compiles or loads once (imports, CUDA)",
     )
-    parser.add_argument("--variant-timeout", type=int, default=150, help="seconds per variant")
     parser.add_argument("--budget-s", type=float, default=540, help="variants that would start past it: error rows")
     parser.add_argument("--append", action="store_true", help="keep --out's rows of (model, variant)s not run now")
     parser.add_argument("--estimate", action="store_true", help="print the time estimate and exit")

@@ -40,11 +40,11 @@ TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropo
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = common.arguments(__doc__, "telemetry_overhead", "tiny model on the CPU with the eager backend")
+    smoke = "tiny model on the CPU with the eager backend"
+    parser = common.arguments(__doc__, "telemetry_overhead", smoke, backend="inductor")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--windows", type=int, default=12, help="windows per arm (even numbers keep ABBA balanced)")
     parser.add_argument("--steps-per-window", type=int, default=25)
-    parser.add_argument("--backend", default="inductor")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (H200: 989)")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -289,26 +289,19 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
 
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-    first_step = common.timed(device, lambda: step(0))
-    offset = 1  # steps run before the warm-up: with a background compile, until the compiled model is in use
-    while background is not None and not background.installed and offset < args.max_eager_steps:
-        step(offset)
-        offset += 1
-    for index in range(offset, offset + args.warmup - 1):
-        step(index)
     syncs = SyncRecorder(args.sync_debug)
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     collections = GcRecorder(args.gc)
-    start = offset + args.warmup - 1
-    times = common.time_steps(device, step, args.steps, start, outer=[collections], inner=[syncs, host])
+    times = common.first_warm_timed(
+        device, step, args.warmup, args.steps, lambda: background is not None and not background.installed,
+        args.max_eager_steps, outer=[collections], inner=[syncs, host],
+    )  # fmt: skip
     host_timer = common.HostTimer(device)
-    first_host_step = offset + args.warmup - 1 + args.steps
-    for index in range(first_host_step, first_host_step + args.host_steps + 1):
+    for index in range(times["next_step"], times["next_step"] + args.host_steps + 1):
         host_timer.step_start()
         step(index)
     synchronize(device)
-    result = finish(first_step, times, args, config, device, flops, losses)
+    result = finish(times, args, config, device, flops, losses)
     result["host_ms"] = host_timer.median_ms()
     extra = background_result(background) | collections.result()
     return result | extra | {"syncs": syncs.sites, "host_profile": host.top()}
@@ -426,11 +419,12 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
         + ([optimizer_step_as(VARIANTS[variant].step)] if VARIANTS[variant].step != "optimizer" else []),
         **dict(VARIANTS[variant].trainer),
     )
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, train_dataloaders=loader)
     seconds = clock.timer.seconds()
     times = {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": clock.window}
-    result = finish(clock.first_step, times, args, config, device, flops, clock.losses)
+    result = finish(times | {"first_step_s": clock.first_step}, args, config, device, flops, clock.losses)
     result["host_ms"] = clock.host_timer.median_ms()
     extra = background_result(compile_callback.background) | clock.collections.result()
     choices = [step.choice.describe() for step in compile_callback.optimizer_steps if step.choice]
@@ -438,20 +432,20 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
-def finish(first_step, times, args, config, device, flops, losses) -> Dict[str, Any]:
+def finish(times, args, config, device, flops, losses) -> Dict[str, Any]:
     from torch._dynamo.utils import calculate_time_spent, counters
 
     steps, step_time, window = args.steps, times["step_s"], times["window_s"]
     tokens = args.batch_size * config.block_size
     peak = common.peak_flops(device)
     return {
-        "first_step_s": first_step,
+        "first_step_s": times["first_step_s"],
         "step_ms": step_time * 1e3,
         "slowest_step_ms": times["slowest_step_s"] * 1e3,
         "tokens_per_s": tokens * steps / window,
         "tflops": flops / step_time / 1e12,
         "mfu": flops / step_time / peak if peak else None,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": common.peak_memory_gib(device),
         "graphs": counters["stats"]["unique_graphs"],
         "recompile_reasons": common.recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
@@ -510,13 +504,12 @@ gc_collections gc_pause_ms loss_rel_diff_vs_eager error""".split()
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "train_step", "tiny model on the CPU with aot_eager")
+    smoke = "tiny model on the CPU with aot_eager"
+    parser = common.arguments(
+        __doc__, "train_step", smoke, steps=200, warmup=5, backend="inductor", variant_timeout=300
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=200, help="timed steady-state steps")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--variant-timeout", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (medians and spread)")
     parser.add_argument("--max-eager-steps", type=int, default=5000, help="background compile: most eager steps")
     parser.add_argument("--host-steps", type=int, default=10, help="steps after the timed ones timing the host alone")
