@@ -236,6 +236,35 @@ def first_warm_timed(
     return times | {"first_step_s": first_step, "next_step": start + steps}
 
 
+def training_step(
+    optimizer: Any,
+    loss_of: Callable[[Any], torch.Tensor],
+    device: torch.device,
+    applied: Any = None,
+    scheduler: Any = None,
+    mark_step: bool = False,
+) -> Callable[[Any], torch.Tensor]:
+    """A training step on a batch as every benchmark runs it: the applied policy's ``begin_step`` (with CUDA
+    graphs, a step's regions share one CUDA-graph step), the loss under bf16 autocast on a GPU, backward, the
+    optimizer's (and scheduler's) step. Returns the loss detached (clone it to keep it past a CUDA-graph replay)."""
+
+    def step(batch: Any) -> torch.Tensor:
+        if applied is not None:
+            applied.begin_step()
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_of(batch)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def peak_memory_gib(device: torch.device) -> Optional[float]:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 

@@ -1,15 +1,13 @@
 """Compile cache: time to the first step cold, on the same machine, and on a new machine that loads a bundle.
 
-For each model and policy, phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles, captures
-the precompiled artifacts, writes the bundle after step 3, then trains 2 more steps), ``cold_no_cache`` (the cache
-off: the base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
-``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (the mega-cache and cache
-directories, not the precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager`` (nothing compiled).
-``first_step_s`` runs from before the bundle's load to the end of the first training step: ``load_s`` +
-``compile_s`` (``dynamo_s`` + ``backend_s``) + ``run_s``; imports and model construction (``startup_s``) and the
-compiler stack's import (``compiler_import_s``) are not in it. Models: the recipe's ``gpt2_small`` and
-``real_models.py``'s HF Llama (both batch 8 x 1024), bf16 autocast, fused AdamW; policies ``regional`` and ``full``
-(``mode: reduce-overhead``). GPU run (about 6 minutes on an H100; or split in two with ``--append``):
+Per model and policy, phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles, captures the
+precompiled artifacts, writes the bundle after step 3, trains 2 more steps), ``cold_no_cache`` (the cache off: the
+base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
+``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (mega-cache and cache
+directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager``. ``first_step_s``: from
+before the bundle's load to the end of the first step (``load_s`` + ``compile_s`` + ``run_s``; ``startup_s`` and
+``compiler_import_s`` apart). The recipe's ``gpt2_small`` and the HF Llama, 8 x 1024 tokens, bf16, fused AdamW;
+``regional`` and ``full`` (reduce-overhead). GPU run (about 6 minutes on an H100; or in two with ``--append``):
 
     python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
     python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
@@ -97,19 +95,14 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     applied = apply_policy(holder, policy)
     cache.attach(applied)
     telemetry = CompileTelemetry(applied).install()
+    train = common.training_step(optimizer, holder["model"], device, applied)
     losses = []
     for index, tokens in enumerate(batches):
         if index == STEPS:  # the bundle written, captures included; the steps after: training goes on after them
             telemetry.collect()
             compile_s, compiles = telemetry.compile_time_s, telemetry.totals()["compiles"]
             cache.save([item.region.name for item in applied.compiled], compile_s, final=True)
-        applied.begin_step()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = holder["model"](tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(float(train(tokens)))
         if index == 0:
             synchronize(device)
             first_step = time.perf_counter() - started

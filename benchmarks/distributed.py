@@ -62,15 +62,21 @@ OPTION_RUNS = [  # (strategy, policy, options, gpus)
 ]  # fmt: skip
 
 
+def chosen_options(names: str, flag: str) -> List[str]:
+    """The ``OPTIONS`` named in a comma-separated list."""
+    chosen = [name for name in names.split(",") if name]
+    unknown = sorted(set(chosen) - set(OPTIONS))
+    if unknown:
+        raise SystemExit(f"unknown {flag} {unknown}: choose from {sorted(OPTIONS)}")
+    return chosen
+
+
 def option_runs(names: str) -> List[Tuple[str, str, str, int]]:
     """``OPTION_RUNS``, or with ``--ddp-options A,B`` the DDP ``regional`` runs on one and on every GPU and one run
     per named option."""
     if not names:
         return OPTION_RUNS
-    chosen = names.split(",")
-    unknown = sorted(set(chosen) - set(OPTIONS))
-    if unknown:
-        raise SystemExit(f"unknown --ddp-options {unknown}: choose from {sorted(OPTIONS)}")
+    chosen = chosen_options(names, "--ddp-options")
     baseline = [("ddp", "regional", "", 1), ("ddp", "regional", "", 2)]
     return baseline + [("ddp", "regional", name, 1 if name == "ddp_on_one_gpu" else 2) for name in chosen]
 
@@ -134,11 +140,7 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
 
 
 def options(args: argparse.Namespace) -> List[str]:
-    chosen = [name for name in (args.options or "").split(",") if name]
-    unknown = sorted(set(chosen) - set(OPTIONS))
-    if unknown:
-        raise SystemExit(f"unknown --options {unknown}: choose from {sorted(OPTIONS)}")
-    return chosen
+    return chosen_options(args.options or "", "--options")
 
 
 def ddp_strategy(args: argparse.Namespace) -> Any:

@@ -1,22 +1,16 @@
 """Variable sequence lengths: plain ``torch.compile`` vs ``mark_dynamic`` vs padding buckets, side by side.
 
-The anchor's stream (``ANCHORS.md``): 60 training steps of GPT-2 small with 6 layers, batch 8, each batch
-of one length drawn uniformly from 64..1024 (seeded), bf16 autocast, fused AdamW. Total time includes
-every compile, as a user pays it; each variant starts from empty Dynamo and Inductor caches.
+60 training steps of GPT-2 small with 6 layers, batch 8, each batch of one length drawn uniformly from 64..1024
+(seeded), bf16 autocast, fused AdamW; total time includes every compile, from empty Dynamo and Inductor caches.
 
     python benchmarks/dynamic_shapes.py --out benchmarks/results/dynamic_shapes.json               # GPU
     python benchmarks/dynamic_shapes.py --variants plain,dynamic,buckets,regional_dynamic,regional_buckets \\
         --out benchmarks/results/dynamic_shapes_regional.json                                        # GPU
     python benchmarks/dynamic_shapes.py --smoke --out /tmp/dynamic_shapes.json                        # CPU, tiny
 
-Variants (the model is compiled whole unless ``regional_``; batches go through ``BatchShaper``):
-
-- ``plain``: ``torch.compile(model)``, batches as they come (automatic dynamic shapes after a recompile).
-- ``dynamic``: ``torch.compile(model)``, the length dimension marked dynamic before the first compile.
-- ``buckets``: ``torch.compile(model, dynamic=False)``, batches padded to 128/256/512/1024 (pad id 0,
-  targets ``ignore_index``): one static graph per bucket.
-- ``regional_dynamic`` / ``regional_buckets``: the bundled ``dynamic`` / ``buckets`` policies (regional
-  compile of embeddings, blocks and head), applied with ``apply_policy``.
+Variants (the model compiled whole unless ``regional_``): ``plain`` (``torch.compile(model)``, automatic dynamic
+shapes after a recompile), ``dynamic`` (the length marked dynamic first), ``buckets`` (``dynamic=False``, batches
+padded to 128/256/512/1024), ``regional_dynamic`` / ``regional_buckets`` (the same as regional compile policies).
 """
 
 from __future__ import annotations
@@ -94,7 +88,7 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=fused)
     shaper = BatchShaper(shapes_for(variant, args.buckets))
     forward = compiled_forward(variant, model, shaper, args.backend, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    train = common.training_step(optimizer, lambda batch: forward(batch.inputs, batch.targets)[1], device)
     lengths = length_stream(args.steps, args.min_length, args.max_length, args.seed)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.utils.clear_compilation_metrics()
@@ -106,11 +100,7 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
         batch = shaper(make_batch(config, args.batch_size, length, step, device))
         real_tokens += args.batch_size * length
         padded_tokens += batch.inputs.numel()
-        with autocast:
-            _, loss = forward(batch.inputs, batch.targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train(batch)
         synchronize(device)
         step_seconds.append(time.perf_counter() - step_started)
     total = time.perf_counter() - started

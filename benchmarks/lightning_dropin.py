@@ -1,11 +1,9 @@
 """The callback dropped into a plain LightningModule, as a user runs it: ``Trainer(precision="bf16-mixed")``, fused
-AdamW, no telemetry configuration. HF Llama (16 layers, d 1024, ``use_cache=False``, 8 x 1024 tokens in a dict
-batch) and timm ViT-B/16 (64 images of 224²), each under eager, ``torch.compile`` by hand, and ``CompileCallback``
-with ``regional``, ``regional_background`` and ``full``; per row the benchmark's own clock (CUDA events: first step,
-median steady step, items/s, MFU from ``FlopCounterMode``) beside the callback's summary and their ratio. Then the
-compile cache through ``train.py`` (recipe ``gpt2_small``, ``regional`` and ``full``): ``cold`` writes the bundle,
-``new_machine`` loads it with empty Inductor/Triton caches, ``full`` ``cold_no_cache`` is the base of
-``vs_full_cold``. Each variant a fresh process with empty compile caches.
+AdamW, no telemetry configuration. HF Llama (8 x 1024 tokens, a dict batch) and timm ViT-B/16 (64 images of 224²)
+under eager, ``torch.compile`` by hand, and ``CompileCallback`` with ``regional``, ``regional_background`` and
+``full``: the benchmark's own clock (CUDA events) beside the callback's summary. Then the compile cache through
+``train.py`` (``gpt2_small``): ``cold`` writes the bundle, ``new_machine`` loads it with empty Inductor/Triton caches,
+``full`` ``cold_no_cache`` is the base of ``vs_full_cold``. Each variant a fresh process with empty compile caches.
 
     python benchmarks/lightning_dropin.py --out benchmarks/results/lightning_dropin.json
     python benchmarks/lightning_dropin.py --models llama --cache-policies '' --out /tmp/llama.json   # one part

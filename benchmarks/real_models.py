@@ -201,21 +201,13 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
     """The first step (timed alone), the warm-up, the timed steps; what the compiler did meanwhile."""
     from torch._dynamo.utils import counters, get_compilation_metrics
 
-    autocast = device.type == "cuda"
+    train = common.training_step(optimizer, partial(loss_of, spec.family, run), device, applied, mark_step=mark_step)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
-        if applied is not None:
-            applied.begin_step()  # with CUDA graphs: one step's regions share one CUDA-graph step
-        if mark_step:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_of(spec.family, run, batches[index % len(batches)])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train(batches[index % len(batches)])
         if len(losses) < LOSSES_COMPARED:
-            losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
+            losses.append(loss.clone())  # a CUDA-graph output is overwritten by the next replay
 
     times = common.first_warm_timed(device, step, args.warmup, args.steps)
     telemetry.collect()

@@ -4,12 +4,10 @@
     python benchmarks/telemetry_overhead.py --out telemetry_overhead.json --peak-tflops 989  # H200: give the peak
     python benchmarks/telemetry_overhead.py --smoke --out /tmp/smoke.json            # CPU, tiny model, seconds
 
-The model is compiled once; then windows of steps alternate telemetry off and on (ABBA order, so
-drift cancels), each window timed by the wall clock between two device synchronizations. "On" runs
-the exact per-step hooks of ``FitTelemetry`` (what ``CompileCallback`` calls from Lightning), including
-its periodic metrics computation; "off" runs none. Also reported: the host time spent inside the hooks,
-and the telemetry's own steady step time (CUDA events) next to the wall-clock one, as a check that
-its lazily read events time steps correctly. Needs torch and lightning only (no hydra/omegaconf/wandb).
+Compiled once; then windows of steps alternate telemetry off and on (ABBA order, so drift cancels), each timed
+between two device syncs. "On" runs ``FitTelemetry``'s per-step hooks (what ``CompileCallback`` calls), its periodic
+metrics included. Also reported: the hooks' host time, and the telemetry's own steady step time beside the wall
+clock's (a check of its lazily read CUDA events). Needs torch and lightning only.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List
@@ -70,12 +69,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     trainer = SimpleNamespace(global_step=0, log_every_n_steps=10, loggers=[], precision=precision)
     telemetry.start(trainer, module, applied)
 
-    def step() -> None:
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            _, loss = module.model(*batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train = common.training_step(optimizer, lambda batch: module.model(*batch)[1], device)
+    step = partial(train, batch)
 
     hook_seconds = 0.0
 

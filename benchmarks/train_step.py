@@ -268,26 +268,19 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
     module = make_module(variant, config, device)
     model = module.model.to(device)
     batches = [b.to(device) for b in make_batches(config, args.batch_size, 8)]
-    autocast = device.type == "cuda"
-    flops = measure_flops(model, batches[0], autocast)
+    flops = measure_flops(model, batches[0], autocast=device.type == "cuda")
     optimizers = module.configure_optimizers()  # the same AdamW groups and schedule as under Lightning
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     run, applied, background = prepare_raw(variant, model, args.backend)
+    train = common.training_step(
+        optimizer, lambda batch: run(batch[:, :-1], batch[:, 1:])[1], device, applied, scheduler
+    )
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
         if background is not None:
             background.poll()
-        if applied is not None:
-            applied.begin_step()
-        batch = batches[index % len(batches)]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            _, loss = run(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
+        losses.append(train(batches[index % len(batches)]).clone())  # a CUDA-graph output is overwritten by a replay
 
     syncs = SyncRecorder(args.sync_debug)
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
