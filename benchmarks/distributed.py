@@ -1,10 +1,9 @@
-"""Compile policies under DDP and FSDP2 on several GPUs: 1 vs N GPUs, ``regional`` vs ``full``, GPT-2 small (the
-recipe) and an HF Llama (16 layers, d 1024); global samples/s, each rank's first step, recompiles and peak memory,
-the ranks whose recompiles diverge (docs/distributed.md). Weak scaling: each rank trains ``--batch`` samples a step;
-the one-GPU row of a (model, policy) is one run shared by both strategies. ``--experiments`` adds ``collectives``
-(ranks of different first lengths, ``distributed.consistent_dynamic_shapes`` off and on), ``cache`` (the DDP
-``regional`` row writes a bundle; a run with empty local caches loads it) and ``ddp-options``. On N GPUs, each run
-a fresh Lightning job of N processes with empty Inductor/Triton caches:
+"""Compile policies under DDP and FSDP2: 1 vs N GPUs, ``regional`` vs ``full``, the recipe's GPT-2 small and an HF
+Llama; global samples/s, each rank's first step, recompiles, peak memory and diverging ranks (docs/distributed.md).
+Weak scaling: each rank trains ``--batch`` samples a step. ``--experiments`` adds ``collectives`` (ranks of different
+first lengths, ``distributed.consistent_dynamic_shapes`` off and on), ``cache`` (the DDP ``regional`` row writes a
+bundle, a run with empty local caches loads it) and ``ddp-options``. Each run a fresh Lightning job of N processes
+with empty Inductor/Triton caches:
 
     python benchmarks/distributed.py --models gpt2 --out benchmarks/results/distributed_gpt2.json
 
@@ -215,8 +214,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
-    """A Lightning callback profiling ``steps`` training steps from step ``first`` on every rank (torch.profiler):
-    each rank writes its tables of ops by device and host time, rank 0 also a Chrome trace, to ``args.profile_dir``."""
+    """A Lightning callback profiling ``steps`` steps from step ``first`` on every rank into ``args.profile_dir``:
+    each rank's tables of ops by device and host time, and rank 0's Chrome trace."""
     import lightning.pytorch as pl
 
     class ProfiledSteps(pl.Callback):
@@ -255,8 +254,8 @@ def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
 
 
 def gpu_timeline(trace: Path, steps: int) -> Dict[str, float]:
-    """Where a profiled step's GPU time went, in ms a step, from a Chrome trace: kernels other than NCCL's (busy),
-    NCCL's, the part of NCCL's that ran beside other kernels (overlapped), and no kernel at all (idle)."""
+    """A profiled step's GPU time in ms from a Chrome trace: busy (kernels other than NCCL's), nccl, overlapped (NCCL's
+    beside other kernels) and idle (no kernel)."""
 
     def union(spans: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
         merged: List[Tuple[float, float]] = []

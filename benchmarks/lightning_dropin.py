@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.models import build_model, count_flops, vision_model  # noqa: E402
+from benchmarks.models import TIMM_VIT_TINY, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
 VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
@@ -41,11 +41,13 @@ COLUMNS = [
 
 
 def build(name: str, smoke: bool) -> nn.Module:
-    """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in),
-    its loss inside (``WithLoss``)."""
+    """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in)."""
     if name == "llama":
         return build_model("llama", smoke)[0]
-    return vision_model("vit", smoke, 1000, stand_in=False)[0]
+    import timm
+
+    tiny = TIMM_VIT_TINY if smoke else {}
+    return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000, **tiny)
 
 
 def batches(name: str, smoke: bool, count: int) -> List[Any]:
@@ -69,7 +71,10 @@ def make_module(name: str, net: nn.Module) -> Any:
             self.net = net
 
         def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-            return self.net(**batch).loss if name == "llama" else self.net(*batch)
+            if name == "llama":
+                return self.net(**batch).loss
+            images, labels = batch
+            return nn.functional.cross_entropy(self.net(images), labels)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=self.device.type == "cuda")

@@ -80,10 +80,9 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
 TIMM_VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 
 
-def vision_model(name: str, smoke: bool, classes: int, stand_in: bool = True) -> Tuple[nn.Module, str, int]:
-    """timm's model where timm is installed (the GPU image), else (``stand_in``) transformers' of the same shape
-    (CI): its ``<prefix>Config`` defaults are ViT-B/16, ResNet-50 and ConvNeXt-T; its ViT has no stochastic depth,
-    BEiT has."""
+def vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, int]:
+    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI): its
+    ``<prefix>Config`` defaults are ViT-B/16, ResNet-50 and ConvNeXt-T; its ViT has no stochastic depth, BEiT has."""
     import transformers
 
     hf_vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
@@ -97,7 +96,7 @@ def vision_model(name: str, smoke: bool, classes: int, stand_in: bool = True) ->
         "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), "ResNet", hf_resnet, {}),
         "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), "ConvNext", convnext, {}),
     }[name]
-    if has_module("timm") or not stand_in:
+    if has_module("timm"):
         import timm
 
         tiny = timm_tiny if smoke else {}
