@@ -44,23 +44,32 @@ SHARED_FLAGS = {
 }
 
 
-def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU", **flags) -> Any:
+def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU", **shared) -> Any:
     """A benchmark's parser with the flags every script has: ``--out`` (default ``benchmarks/results/<name>.json``,
     the headline), ``--smoke``, the hidden ``--worker-out`` that ``run_fresh`` gives its worker, and the
-    ``SHARED_FLAGS`` named in ``flags`` with their defaults (``steps=200``: ``--steps``, default 200)."""
+    ``SHARED_FLAGS`` named in ``shared`` with their defaults (``steps=200``: ``--steps``, default 200)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json" if name else None, required=not name)
     parser.add_argument("--smoke", action="store_true", help=smoke)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    for key, default in flags.items():
+    for key, default in shared.items():
         kind, help_text = SHARED_FLAGS[key]
         parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
     return parser
 
 
-def hidden(parser: Any, *flags: str, **options: Any) -> None:
+def flags(**values: Any) -> List[str]:
+    """A worker's command line: ``--key value`` per value, ``--key`` alone for True, nothing for None or False."""
+    command: List[str] = []
+    for key, value in values.items():
+        if value is not None and value is not False:
+            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return command
+
+
+def hidden(parser: Any, *names: str, **options: Any) -> None:
     """Flags only the harness passes (a worker's variant, phase or model)."""
-    for flag in flags:
+    for flag in names:
         parser.add_argument(flag, help=argparse.SUPPRESS, **options)
 
 

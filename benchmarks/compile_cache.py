@@ -182,8 +182,8 @@ def with_full_cold_ratio(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machine: Path, cache_dir: str) -> Dict:
     """``phase`` in a fresh process whose Inductor and Triton caches are ``machine``'s."""
-    command = ["--phase", phase, "--model", model, "--policy", policy, "--cache-dir", cache_dir]
-    result = common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, caches=machine)
+    command = common.flags(phase=phase, model=model, policy=policy, cache_dir=cache_dir, smoke=args.smoke)
+    result = common.fresh_row(__file__, command, args.timeout, caches=machine)
     return {"cache": f"failed: {result['error']}"} if "error" in result else result
 
 

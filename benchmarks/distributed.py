@@ -335,11 +335,8 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     gpus, and optionally collectives and cache_dir."""
     run = {"experiment": "scaling", "collectives": False, "cache_dir": None, "options": None} | run
     name = "-".join(str(v) for v in run.values() if v not in (None, False)).replace("/", "_")
-    command = ["--worker", "--batch", str(args.batch), "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
-    command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
-    for key, value in run.items():
-        if value not in (None, False):
-            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    shared = dict(worker=True, batch=args.batch, steps=args.steps, smoke=args.smoke, profile_dir=args.profile_dir)
+    command = common.flags(**shared, **run)
     row = {key: run[key] for key in ("model", "experiment", "policy", "options", "gpus")}
     row |= {"strategy": strategy_name(run["strategy"], run["gpus"], run["options"] or "")}
     row["experiment"] += "+collectives" if run["collectives"] else ""

@@ -172,9 +172,11 @@ def train_py(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_cache(args: argparse.Namespace, policy: str, phase: str, bundle: Path) -> Dict[str, Any]:
-    command = ["--worker", "--cache-run", f"{policy}:{phase}", "--bundle", str(bundle), "--steps", str(args.steps)]
+    command = common.flags(
+        worker=True, cache_run=f"{policy}:{phase}", bundle=bundle, steps=args.steps, smoke=args.smoke
+    )
     row = {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}"}
-    return common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, row)
+    return common.fresh_row(__file__, command, args.timeout, row)
 
 
 def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -196,9 +198,8 @@ def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
-    command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
-    row = {"model": model, "variant": variant}
-    return common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, row)
+    command = common.flags(worker=True, model=model, variant=variant, steps=args.steps, smoke=args.smoke)
+    return common.fresh_row(__file__, command, args.timeout, {"model": model, "variant": variant})
 
 
 def main() -> None:

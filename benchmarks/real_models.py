@@ -418,10 +418,10 @@ def main() -> None:
     estimate(runs, args)
     if args.estimate:
         return
-    args.passthrough = [f"--steps={args.steps}", f"--warmup={args.warmup}"]
-    args.passthrough += [f"--backend={args.backend}"] if args.backend else []
-    args.passthrough += [f"--peak-tflops={args.peak_tflops}"] if args.peak_tflops else []
-    args.passthrough += [flag for flag, on in (("--smoke", args.smoke), ("--channels-last", args.channels_last)) if on]
+    args.passthrough = common.flags(
+        steps=args.steps, warmup=args.warmup, backend=args.backend, peak_tflops=args.peak_tflops, smoke=args.smoke,
+        channels_last=args.channels_last,
+    )  # fmt: skip
 
     meta = common.environment() | {"isolation": args.isolation}
     results: Dict[Tuple[str, str], Dict[str, Any]] = {}
