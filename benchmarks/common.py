@@ -1,12 +1,10 @@
 """The benchmarks' harness: fresh-process variants, the variant syntax, step timing, the result file and its table.
 
-A benchmark script holds its models, its variants and a function that measures one variant; this module gives it
-its command line (``arguments``: ``--out``, ``--smoke``, the worker's hidden flags), runs each variant in a fresh
-process with empty compile caches (``run_fresh`` / ``fresh_row``, and ``worker`` in that process), times steps
-(``StepTimer``, ``time_steps``, ``timed``; ``repeated`` for medians and spread over repeats), writes the result file
-(``write_result``: ``{"benchmark", "title", "meta", "columns", "rows", "notes"}``, meta with the git commit) and
-prints it side by side (``print_table``, ratios from ``add_ratio``). ``benchmarks/make_report.py`` renders every
-result file into ``docs/BENCHMARKS.md``. Importable without hydra, omegaconf or wandb (the GPU image has none).
+A benchmark script holds its models (``benchmarks/models.py``), its variants and a function that measures one; this
+module gives it its command line (``arguments``), a fresh process with empty compile caches per variant
+(``run_fresh`` / ``fresh_row``, ``worker`` in that process), step timing (``StepTimer``, ``time_steps``,
+``first_warm_timed``; ``repeated``: medians over repeats), the result file (``write_result``) and its table
+(``print_table``, ``add_ratio``). Importable without hydra, omegaconf or wandb (the GPU image has none).
 """
 
 from __future__ import annotations
@@ -36,19 +34,42 @@ RESULTS = ROOT / "benchmarks" / "results"
 LIBRARIES = ("lightning", "transformers", "timm", "accelerate")  # versions read from metadata, not imported
 
 
-def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU") -> Any:
+# The flags several benchmarks share: their type and help (a benchmark gives the default).
+SHARED_FLAGS = {
+    "steps": (int, "steps a variant (timed ones where there is a warm-up)"),
+    "warmup": (int, "steps before timing (the first includes compile)"),
+    "backend": (str, "compile backend"),
+    "timeout": (int, "seconds a variant may take"),
+    "variant_timeout": (int, "seconds a variant may take"),
+}
+
+
+def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU", **shared) -> Any:
     """A benchmark's parser with the flags every script has: ``--out`` (default ``benchmarks/results/<name>.json``,
-    the headline), ``--smoke`` and the hidden ``--worker-out`` that ``run_fresh`` gives its worker."""
+    the headline), ``--smoke``, the hidden ``--worker-out`` that ``run_fresh`` gives its worker, and the
+    ``SHARED_FLAGS`` named in ``shared`` with their defaults (``steps=200``: ``--steps``, default 200)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json" if name else None, required=not name)
     parser.add_argument("--smoke", action="store_true", help=smoke)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    for key, default in shared.items():
+        kind, help_text = SHARED_FLAGS[key]
+        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
     return parser
 
 
-def hidden(parser: Any, *flags: str, **options: Any) -> None:
+def flags(**values: Any) -> List[str]:
+    """A worker's command line: ``--key value`` per value, ``--key`` alone for True, nothing for None or False."""
+    command: List[str] = []
+    for key, value in values.items():
+        if value is not None and value is not False:
+            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return command
+
+
+def hidden(parser: Any, *names: str, **options: Any) -> None:
     """Flags only the harness passes (a worker's variant, phase or model)."""
-    for flag in flags:
+    for flag in names:
         parser.add_argument(flag, help=argparse.SUPPRESS, **options)
 
 
@@ -70,8 +91,7 @@ def is_recompile(metric: Any) -> bool:
 
 
 def frame_compile_seconds(metric: Any) -> float:
-    """A frame's compile time from a compilation-metrics entry; the field differs across torch versions
-    (``entire_frame_compile_time_s``; ``duration_us`` where that is missing)."""
+    """A frame's compile time from a compilation-metrics entry (the field differs across torch versions)."""
     seconds = getattr(metric, "entire_frame_compile_time_s", None)
     return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
 
@@ -83,8 +103,7 @@ def split_variant(variant: str) -> Tuple[str, Dict[str, str]]:
 
 
 def with_rule_changes(policy: Any, **changes: str) -> Any:
-    """``policy`` with every rule's fields in ``changes`` replaced (``rest="outer"``, ``action="full"``): a
-    benchmark's experiment on what the rest of a model costs, or on one graph in place of regions."""
+    """``policy`` with every rule's fields in ``changes`` replaced (``rest="outer"``, ``action="full"``)."""
     from compile_trainer.schema import to_policy
 
     return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules])
@@ -95,8 +114,7 @@ PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
 
 def git_commit() -> Optional[str]:
-    """The repository's commit (``git rev-parse --short HEAD``), ``-dirty`` when the tree has changes; None
-    without git or outside a checkout."""
+    """The checkout's short commit, ``-dirty`` when the tree has changes; None without git or a checkout."""
     try:
         run = dict(cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
@@ -179,9 +197,8 @@ def time_steps(
     outer: Sequence[Any] = (),
     inner: Sequence[Any] = (),
 ) -> Dict[str, float]:
-    """``step(index)`` for ``steps`` indices from ``start``, each timed (``StepTimer``), and the window's wall time
-    between two device synchronizations. Recorders (``start()``/``stop()``) run around the window: ``outer`` ones
-    outside the synchronizations, ``inner`` ones inside (a sync recorder must not see the harness's own)."""
+    """``step(index)`` for ``steps`` indices from ``start``, each timed, and the window's wall time between two
+    device syncs; recorders (``start()``/``stop()``) run around it, ``outer`` outside the syncs, ``inner`` inside."""
     for recorder in outer:
         recorder.start()
     timer = StepTimer(device)
@@ -203,6 +220,64 @@ def time_steps(
     return {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": window_s}
 
 
+def first_warm_timed(
+    device: torch.device,
+    step: Callable[[int], None],
+    warmup: int,
+    steps: int,
+    eager: Callable[[], bool] = lambda: False,
+    max_eager: int = 0,
+    **recorders: Sequence[Any],
+) -> Dict[str, float]:
+    """The first step timed alone (``first_step_s``: its compile), steps while ``eager()`` (a background compile
+    not in use yet; ``max_eager`` in all), ``warmup - 1`` more, then ``time_steps``; ``next_step``: the index after."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first_step = timed(device, lambda: step(0))
+    start = 1
+    while eager() and start < max_eager:
+        step(start)
+        start += 1
+    for index in range(start, start + warmup - 1):
+        step(index)
+    start += max(warmup - 1, 0)
+    times = time_steps(device, step, steps, start, **recorders)
+    return times | {"first_step_s": first_step, "next_step": start + steps}
+
+
+def training_step(
+    optimizer: Any,
+    loss_of: Callable[[Any], torch.Tensor],
+    device: torch.device,
+    applied: Any = None,
+    scheduler: Any = None,
+    mark_step: bool = False,
+) -> Callable[[Any], torch.Tensor]:
+    """A training step on a batch as every benchmark runs it: the applied policy's ``begin_step`` (with CUDA
+    graphs, a step's regions share one CUDA-graph step), the loss under bf16 autocast on a GPU, backward, the
+    optimizer's (and scheduler's) step. Returns the loss detached (clone it to keep it past a CUDA-graph replay)."""
+
+    def step(batch: Any) -> torch.Tensor:
+        if applied is not None:
+            applied.begin_step()
+        if mark_step:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_of(batch)
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def peak_memory_gib(device: torch.device) -> Optional[float]:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def recompile_reasons(limit: Optional[int] = None) -> List[str]:
     """Why Dynamo recompiled, one line per recompile of this process."""
     from torch._dynamo.utils import get_compilation_metrics
@@ -216,10 +291,9 @@ def recompile_reasons(limit: Optional[int] = None) -> List[str]:
 
 
 class HostTimer:
-    """Host time to issue one training step, apart from the device: before each step the device is held by a
-    sleep kernel longer than the step's host work, so the host never waits for it and the wall time from one
-    step's start to the next is what the host alone needs (on the CPU, that is the step). A host time near the
-    device's step time means the loop is host-bound: any extra Python a step slows training down."""
+    """Host time to issue one training step: before each step a sleep kernel holds the device longer than the
+    step's host work, so the host never waits for it (on the CPU, this is the step). A host time near the device's
+    step time means the loop is host-bound."""
 
     HOLD_S = 0.2
 
@@ -321,7 +395,7 @@ def add_ratio(
 
 def repeated(results: List[Dict[str, Any]], metrics: Sequence[str]) -> Dict[str, Any]:
     """One row from several runs of a variant: the first run's fields, each of ``metrics`` the median over the runs
-    that measured it, ``spread`` its [min, max] and ``repeats`` how many runs counted (an error if none did)."""
+    that measured it, ``spread`` its [min, max], ``repeats`` how many counted (an error if none did)."""
     done = [result for result in results if not result.get("error")]
     if len(results) == 1 or not done:
         return results[0]
@@ -335,8 +409,8 @@ def repeated(results: List[Dict[str, Any]], metrics: Sequence[str]) -> Dict[str,
 
 
 def fresh_compiler_state() -> Any:
-    """Forget everything compiled in this process (Dynamo's caches, counters and metrics, CUDA-graph trees) and
-    return a context with empty Inductor/Triton caches, on disk and in memory."""
+    """Forget what this process compiled (Dynamo's caches, counters, metrics) and return a context with empty
+    Inductor/Triton caches."""
     import gc
 
     from torch._dynamo.utils import clear_compilation_metrics, counters
@@ -359,11 +433,9 @@ def run_fresh(
     caches: Optional[Path] = None,
     log: Optional[Path] = None,
 ) -> Dict[str, Any]:
-    """``python script args... --worker-out FILE`` in a fresh process whose Inductor and Triton caches are empty
-    directories of its own (``caches``' ``inductor`` and ``triton`` when given, which outlive the run), with the
-    caller's PYTHONPATH after the repository root. Returns the JSON the worker wrote (``worker``), with
-    ``process_s``; on a failure or a timeout, with ``error`` (and whatever the worker wrote before), the output
-    appended to ``log``."""
+    """``python script args... --worker-out FILE`` in a fresh process with empty Inductor and Triton caches of its
+    own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote, with ``process_s``;
+    on a failure or a timeout, with ``error`` (and whatever the worker wrote before), the output appended to ``log``."""
     with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch:
         folder = caches or Path(scratch)
         out = Path(scratch) / "result.json"

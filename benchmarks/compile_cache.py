@@ -1,15 +1,13 @@
 """Compile cache: time to the first step cold, on the same machine, and on a new machine that loads a bundle.
 
-For each model and policy, phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles, captures
-the precompiled artifacts, writes the bundle after step 3, then trains 2 more steps), ``cold_no_cache`` (the cache
-off: the base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
-``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (the mega-cache and cache
-directories, not the precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager`` (nothing compiled).
-``first_step_s`` runs from before the bundle's load to the end of the first training step: ``load_s`` +
-``compile_s`` (``dynamo_s`` + ``backend_s``) + ``run_s``; imports and model construction (``startup_s``) and the
-compiler stack's import (``compiler_import_s``) are not in it. Models: the recipe's ``gpt2_small`` and
-``real_models.py``'s HF Llama (both batch 8 x 1024), bf16 autocast, fused AdamW; policies ``regional`` and ``full``
-(``mode: reduce-overhead``). GPU run (about 6 minutes on an H100; or split in two with ``--append``):
+Per model and policy, phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles, captures the
+precompiled artifacts, writes the bundle after step 3, trains 2 more steps), ``cold_no_cache`` (the cache off: the
+base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
+``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (mega-cache and cache
+directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager``. ``first_step_s``: from
+before the bundle's load to the end of the first step (``load_s`` + ``compile_s`` + ``run_s``; ``startup_s`` and
+``compiler_import_s`` apart). The recipe's ``gpt2_small`` and the HF Llama, 8 x 1024 tokens, bf16, fused AdamW;
+``regional`` and ``full`` (reduce-overhead). GPU run (about 6 minutes on an H100; or in two with ``--append``):
 
     python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
     python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
@@ -40,12 +38,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL, TokenLoss, build_model  # noqa: E402
+from recipes.gpt import GPTConfig  # noqa: E402
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")
 PHASES = ("cold", "cold_no_cache", "same_machine", "new_machine_mega", "new_machine_traced", "new_machine", "eager")
 LAYERS = {"new_machine_mega": ["mega_cache"], "new_machine_traced": ["mega_cache", "cache_dirs"]}  # else all
 CACHE_MODES = {"cold": "read-write", "same_machine": "off", "cold_no_cache": "off"}  # else read-only
+SMOKE = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
 # the bundle is written after the third step (forward, backward and optimizer all compiled), its captures run then;
 # two more steps follow, so the losses show whether training goes on as before after a capture (CUDA graphs too)
@@ -57,31 +58,12 @@ loss_rel_diff_vs_cold""".split()
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
     """The model, random weights, dropout off; ``forward(tokens)`` returns the loss."""
-    if name == "llama":
-        from benchmarks.real_models import build_model
+    from recipes.gpt import GPT
 
-        with device:
-            return TokenLoss(build_model("llama", smoke)[0], hf=True)
-    from recipes.gpt import GPT, GPTConfig
-
-    sizes = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-    if smoke:
-        sizes = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
     with device:
-        return TokenLoss(GPT(GPTConfig(**sizes, dropout=0.0)), hf=False)
-
-
-class TokenLoss(nn.Module):
-    """A language model whose ``forward(tokens)`` returns its loss: an HF causal LM's, or the recipe GPT's."""
-
-    def __init__(self, model: nn.Module, hf: bool):
-        super().__init__()
-        self.model, self.hf = model, hf
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.hf:
-            return self.model(input_ids=tokens, labels=tokens).loss
-        return self.model(tokens[:, :-1], tokens[:, 1:])[1]
+        if name == "llama":
+            return TokenLoss(build_model("llama", smoke)[0], hf=True)
+        return TokenLoss(GPT(SMOKE if smoke else GPT2_SMALL), hf=False)
 
 
 def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
@@ -113,19 +95,14 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     applied = apply_policy(holder, policy)
     cache.attach(applied)
     telemetry = CompileTelemetry(applied).install()
+    train = common.training_step(optimizer, holder["model"], device, applied)
     losses = []
     for index, tokens in enumerate(batches):
         if index == STEPS:  # the bundle written, captures included; the steps after: training goes on after them
             telemetry.collect()
             compile_s, compiles = telemetry.compile_time_s, telemetry.totals()["compiles"]
             cache.save([item.region.name for item in applied.compiled], compile_s, final=True)
-        applied.begin_step()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = holder["model"](tokens)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(float(train(tokens)))
         if index == 0:
             synchronize(device)
             first_step = time.perf_counter() - started
@@ -205,19 +182,18 @@ def with_full_cold_ratio(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machine: Path, cache_dir: str) -> Dict:
     """``phase`` in a fresh process whose Inductor and Triton caches are ``machine``'s."""
-    command = ["--phase", phase, "--model", model, "--policy", policy, "--cache-dir", cache_dir]
-    result = common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, caches=machine)
+    command = common.flags(phase=phase, model=model, policy=policy, cache_dir=cache_dir, smoke=args.smoke)
+    result = common.fresh_row(__file__, command, args.timeout, caches=machine)
     return {"cache": f"failed: {result['error']}"} if "error" in result else result
 
 
 def main() -> None:
-    parser = common.arguments(__doc__.split("\n")[0], "compile_cache", "tiny models on the CPU")
+    parser = common.arguments(__doc__.split("\n")[0], "compile_cache", "tiny models on the CPU", timeout=240)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
     parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
     parser.add_argument("--append", action="store_true", help="add the rows to --out's (a run split in two)")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds per phase")
     common.hidden(parser, "--phase", choices=PHASES)
     common.hidden(parser, "--model", "--policy")
     args = parser.parse_args()

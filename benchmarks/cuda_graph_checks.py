@@ -102,8 +102,7 @@ def run(train, **kwargs) -> Dict[str, Any]:
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "cuda_graph_checks", "tiny model on the CPU")
-    parser.add_argument("--steps", type=int, default=4)
+    parser = common.arguments(__doc__, "cuda_graph_checks", "tiny model on the CPU", steps=4)
     args = parser.parse_args()
     from compile_trainer.schema import to_policy
 

@@ -1,10 +1,9 @@
-"""Compile policies under DDP and FSDP2 on several GPUs: 1 vs N GPUs, ``regional`` vs ``full``, GPT-2 small (the
-recipe) and an HF Llama (16 layers, d 1024); global samples/s, each rank's first step, recompiles and peak memory,
-the ranks whose recompiles diverge (docs/distributed.md). Weak scaling: each rank trains ``--batch`` samples a step;
-the one-GPU row of a (model, policy) is one run shared by both strategies. ``--experiments`` adds ``collectives``
-(ranks of different first lengths, ``distributed.consistent_dynamic_shapes`` off and on), ``cache`` (the DDP
-``regional`` row writes a bundle; a run with empty local caches loads it) and ``ddp-options``. On N GPUs, each run
-a fresh Lightning job of N processes with empty Inductor/Triton caches:
+"""Compile policies under DDP and FSDP2: 1 vs N GPUs, ``regional`` vs ``full``, the recipe's GPT-2 small and an HF
+Llama; global samples/s, each rank's first step, recompiles, peak memory and diverging ranks (docs/distributed.md).
+Weak scaling: each rank trains ``--batch`` samples a step. ``--experiments`` adds ``collectives`` (ranks of different
+first lengths, ``distributed.consistent_dynamic_shapes`` off and on), ``cache`` (the DDP ``regional`` row writes a
+bundle, a run with empty local caches loads it) and ``ddp-options``. Each run a fresh Lightning job of N processes
+with empty Inductor/Triton caches:
 
     python benchmarks/distributed.py --models gpt2 --out benchmarks/results/distributed_gpt2.json
 
@@ -35,7 +34,6 @@ COLUMNS = [
     "first_step_vs_1", "recompiles_by_rank", "divergent_ranks", "graphs_by_rank", "peak_memory_gb_by_rank",
     "cache", "error",
 ]  # fmt: skip
-GPT2 = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
@@ -63,15 +61,21 @@ OPTION_RUNS = [  # (strategy, policy, options, gpus)
 ]  # fmt: skip
 
 
+def chosen_options(names: str, flag: str) -> List[str]:
+    """The ``OPTIONS`` named in a comma-separated list."""
+    chosen = [name for name in names.split(",") if name]
+    unknown = sorted(set(chosen) - set(OPTIONS))
+    if unknown:
+        raise SystemExit(f"unknown {flag} {unknown}: choose from {sorted(OPTIONS)}")
+    return chosen
+
+
 def option_runs(names: str) -> List[Tuple[str, str, str, int]]:
     """``OPTION_RUNS``, or with ``--ddp-options A,B`` the DDP ``regional`` runs on one and on every GPU and one run
     per named option."""
     if not names:
         return OPTION_RUNS
-    chosen = names.split(",")
-    unknown = sorted(set(chosen) - set(OPTIONS))
-    if unknown:
-        raise SystemExit(f"unknown --ddp-options {unknown}: choose from {sorted(OPTIONS)}")
+    chosen = chosen_options(names, "--ddp-options")
     baseline = [("ddp", "regional", "", 1), ("ddp", "regional", "", 2)]
     return baseline + [("ddp", "regional", name, 1 if name == "ddp_on_one_gpu" else 2) for name in chosen]
 
@@ -93,12 +97,13 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
         def __init__(self) -> None:
             super().__init__()
             if args.model == "gpt2":
+                from benchmarks.models import GPT2_SMALL
                 from recipes.gpt import GPT, GPTConfig
 
-                config = GPTConfig(**(SMOKE_GPT2 if args.smoke else GPT2))
+                config = GPTConfig(**SMOKE_GPT2) if args.smoke else GPT2_SMALL
                 self.model, self.vocab = GPT(config), config.vocab_size
             else:
-                from benchmarks.real_models import build_model
+                from benchmarks.models import build_model
 
                 self.model, _, self.vocab = build_model("llama", args.smoke)
 
@@ -134,11 +139,7 @@ def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
 
 
 def options(args: argparse.Namespace) -> List[str]:
-    chosen = [name for name in (args.options or "").split(",") if name]
-    unknown = sorted(set(chosen) - set(OPTIONS))
-    if unknown:
-        raise SystemExit(f"unknown --options {unknown}: choose from {sorted(OPTIONS)}")
-    return chosen
+    return chosen_options(args.options or "", "--options")
 
 
 def ddp_strategy(args: argparse.Namespace) -> Any:
@@ -213,8 +214,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
-    """A Lightning callback profiling ``steps`` training steps from step ``first`` on every rank (torch.profiler):
-    each rank writes its tables of ops by device and host time, rank 0 also a Chrome trace, to ``args.profile_dir``."""
+    """A Lightning callback profiling ``steps`` steps from step ``first`` on every rank into ``args.profile_dir``:
+    each rank's tables of ops by device and host time, and rank 0's Chrome trace."""
     import lightning.pytorch as pl
 
     class ProfiledSteps(pl.Callback):
@@ -253,8 +254,8 @@ def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
 
 
 def gpu_timeline(trace: Path, steps: int) -> Dict[str, float]:
-    """Where a profiled step's GPU time went, in ms a step, from a Chrome trace: kernels other than NCCL's (busy),
-    NCCL's, the part of NCCL's that ran beside other kernels (overlapped), and no kernel at all (idle)."""
+    """A profiled step's GPU time in ms from a Chrome trace: busy (kernels other than NCCL's), nccl, overlapped (NCCL's
+    beside other kernels) and idle (no kernel)."""
 
     def union(spans: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
         merged: List[Tuple[float, float]] = []
@@ -334,11 +335,8 @@ def run_one(args: argparse.Namespace, folder: Path, **run: Any) -> Dict[str, Any
     gpus, and optionally collectives and cache_dir."""
     run = {"experiment": "scaling", "collectives": False, "cache_dir": None, "options": None} | run
     name = "-".join(str(v) for v in run.values() if v not in (None, False)).replace("/", "_")
-    command = ["--worker", "--batch", str(args.batch), "--steps", str(args.steps), *(["--smoke"] if args.smoke else [])]
-    command += ["--profile-dir", args.profile_dir] if args.profile_dir else []
-    for key, value in run.items():
-        if value not in (None, False):
-            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    shared = dict(worker=True, batch=args.batch, steps=args.steps, smoke=args.smoke, profile_dir=args.profile_dir)
+    command = common.flags(**shared, **run)
     row = {key: run[key] for key in ("model", "experiment", "policy", "options", "gpus")}
     row |= {"strategy": strategy_name(run["strategy"], run["gpus"], run["options"] or "")}
     row["experiment"] += "+collectives" if run["collectives"] else ""
@@ -398,15 +396,14 @@ def planned_runs(args: argparse.Namespace, n: int, cache_dir: str) -> List[Dict[
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "distributed", "CPU, 2 gloo processes, tiny models, aot_eager")
+    smoke = "CPU, 2 gloo processes, tiny models, aot_eager"
+    parser = common.arguments(__doc__, "distributed", smoke, steps=None, timeout=600)
     parser.add_argument("--models", default="gpt2,llama", help="gpt2 (the recipe's GPT-2 small), llama (HF)")
     parser.add_argument("--experiments", default="scaling,collectives,cache")
     parser.add_argument("--strategies", default="ddp,fsdp2")
     parser.add_argument("--policies", default="regional,full")
     parser.add_argument("--gpus", type=int, default=None, help="N (default: every visible GPU; 2 with --smoke)")
     parser.add_argument("--batch", type=int, default=None, help="samples per rank a step (8; 2 with --smoke)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps a run (30; 4 with --smoke)")
-    parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
     parser.add_argument(
         "--ddp-options", default="", help=f"ddp-options: only these of {', '.join(OPTIONS)} (default: all runs)"
     )

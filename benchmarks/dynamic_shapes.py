@@ -1,22 +1,16 @@
 """Variable sequence lengths: plain ``torch.compile`` vs ``mark_dynamic`` vs padding buckets, side by side.
 
-The anchor's stream (``ANCHORS.md``): 60 training steps of GPT-2 small with 6 layers, batch 8, each batch
-of one length drawn uniformly from 64..1024 (seeded), bf16 autocast, fused AdamW. Total time includes
-every compile, as a user pays it; each variant starts from empty Dynamo and Inductor caches.
+60 training steps of GPT-2 small with 6 layers, batch 8, each batch of one length drawn uniformly from 64..1024
+(seeded), bf16 autocast, fused AdamW; total time includes every compile, from empty Dynamo and Inductor caches.
 
     python benchmarks/dynamic_shapes.py --out benchmarks/results/dynamic_shapes.json               # GPU
     python benchmarks/dynamic_shapes.py --variants plain,dynamic,buckets,regional_dynamic,regional_buckets \\
         --out benchmarks/results/dynamic_shapes_regional.json                                        # GPU
     python benchmarks/dynamic_shapes.py --smoke --out /tmp/dynamic_shapes.json                        # CPU, tiny
 
-Variants (the model is compiled whole unless ``regional_``; batches go through ``BatchShaper``):
-
-- ``plain``: ``torch.compile(model)``, batches as they come (automatic dynamic shapes after a recompile).
-- ``dynamic``: ``torch.compile(model)``, the length dimension marked dynamic before the first compile.
-- ``buckets``: ``torch.compile(model, dynamic=False)``, batches padded to 128/256/512/1024 (pad id 0,
-  targets ``ignore_index``): one static graph per bucket.
-- ``regional_dynamic`` / ``regional_buckets``: the bundled ``dynamic`` / ``buckets`` policies (regional
-  compile of embeddings, blocks and head), applied with ``apply_policy``.
+Variants (the model compiled whole unless ``regional_``): ``plain`` (``torch.compile(model)``, automatic dynamic
+shapes after a recompile), ``dynamic`` (the length marked dynamic first), ``buckets`` (``dynamic=False``, batches
+padded to 128/256/512/1024), ``regional_dynamic`` / ``regional_buckets`` (the same as regional compile policies).
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -36,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
@@ -44,7 +40,7 @@ from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa
 from recipes.data import TokenBatch  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
-GPT2_SMALL_6 = GPTConfig(vocab_size=50304, block_size=1024, n_layer=6, n_head=12, n_embd=768)
+GPT2_SMALL_6 = replace(GPT2_SMALL, n_layer=6)
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 VARIANTS = ["plain", "dynamic", "buckets", "regional_dynamic", "regional_buckets"]
 COLUMNS = ["variant", "total_s", "graphs", "recompiles", "compile_s", "steady_step_ms", "tokens_per_s", "padding"]
@@ -69,14 +65,6 @@ def shapes_for(variant: str, buckets: List[int]) -> ShapesPolicy:
     return ShapesPolicy()
 
 
-class Root(nn.Module):
-    """The model under ``model``, as in the recipes' LightningModule, so the bundled rules match."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-
 def compiled_forward(variant: str, model: GPT, shaper: BatchShaper, backend: str, device: torch.device) -> Any:
     if variant == "plain" or variant == "dynamic":
         return torch.compile(model, backend=backend)
@@ -87,7 +75,7 @@ def compiled_forward(variant: str, model: GPT, shaper: BatchShaper, backend: str
     policy = validate_policy(
         CompilePolicy(name=variant, backend=backend, dynamic=dynamic, rules=rules, shapes=shaper.shapes)
     )
-    applied = apply_policy(Root(model), policy, device=device)
+    applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
     RegionShapeInterceptors(applied, shaper)  # marks the regions' inputs like the batch
     return model
 
@@ -100,7 +88,7 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=fused)
     shaper = BatchShaper(shapes_for(variant, args.buckets))
     forward = compiled_forward(variant, model, shaper, args.backend, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    train = common.training_step(optimizer, lambda batch: forward(batch.inputs, batch.targets)[1], device)
     lengths = length_stream(args.steps, args.min_length, args.max_length, args.seed)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch._dynamo.utils.clear_compilation_metrics()
@@ -112,11 +100,7 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
         batch = shaper(make_batch(config, args.batch_size, length, step, device))
         real_tokens += args.batch_size * length
         padded_tokens += batch.inputs.numel()
-        with autocast:
-            _, loss = forward(batch.inputs, batch.targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train(batch)
         synchronize(device)
         step_seconds.append(time.perf_counter() - step_started)
     total = time.perf_counter() - started
@@ -138,15 +122,14 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
 
 
 def main(argv: List[str] = None) -> Dict[str, Any]:
-    parser = common.arguments(__doc__.splitlines()[0], "dynamic_shapes", "tiny model on the CPU (aot_eager), for CI")
+    smoke = "tiny model on the CPU (aot_eager), for CI"
+    parser = common.arguments(__doc__.splitlines()[0], "dynamic_shapes", smoke, steps=60, backend="inductor")
     parser.add_argument("--variants", default="plain,dynamic,buckets")
-    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--min-length", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--buckets", type=lambda text: [int(x) for x in text.split(",")], default=[128, 256, 512, 1024])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="inductor")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]

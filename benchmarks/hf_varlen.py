@@ -1,9 +1,8 @@
 """Variable-length batches on a Hugging Face Llama: plain ``torch.compile`` vs the bundled shape policies.
 
-``--steps`` batches of 8 rows, each batch of one length drawn uniformly from 64..1024 (seeded); with ``--rows
-ragged``, rows after the first are shorter, padded at the end as a collator pads them (in every variant's batches;
-the fixed-length reference has none). ``real_models.py``'s Llama (``use_cache=False``), bf16 autocast, fused AdamW;
-each variant a fresh process with empty compile caches; total time counts every compile and warm-up.
+``--steps`` batches of 8 rows, each of one length drawn uniformly from 64..1024 (seeded; ``--rows ragged``: rows
+after the first shorter, padded at the end as a collator pads them). ``real_models.py``'s Llama, bf16 autocast,
+fused AdamW; each variant a fresh process with empty compile caches; total time counts every compile and warm-up.
 
     python benchmarks/hf_varlen.py                       # GPU: every variant, benchmarks/results/hf_varlen.json
     python benchmarks/hf_varlen.py --smoke --out /tmp/x  # CPU, tiny model, aot_eager
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
-from benchmarks.real_models import build_model  # noqa: E402
+from benchmarks.models import build_model  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
@@ -82,11 +81,9 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 
 
 def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
-    """A policy variant's bundled policy and its overrides (an experiment): ``dynamic@rest=outer@mode=reduce-overhead``
-    is the bundled ``dynamic`` with every rule's ``rest`` and the policy's ``mode`` replaced (``@action=full``: every
-    rule's action); ``@pad=64`` pads
-    lengths to multiples of 64 (ids 0, labels -100, the mask with ``@mask_pad``'s value, default 0: 1 keeps a causal
-    model's mask all ones, which changes nothing for the real tokens before the padding)."""
+    """A variant's bundled policy and its overrides: ``dynamic@rest=outer@mode=reduce-overhead`` replaces every
+    rule's ``rest`` (or ``@action``) and the policy's ``mode``; ``@pad=64`` pads lengths to multiples of 64 (ids 0,
+    labels -100, the mask ``@mask_pad``, default 0; 1 keeps a causal model's mask all ones)."""
     name, overrides = common.split_variant(variant)
     unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad"}
     if name not in VARIANTS or unknown:
@@ -129,24 +126,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         RegionShapeInterceptors(applied, shaper)
         if policy.background:  # as CompileCallback does: eager steps until the thread's compile is installed
             background = BackgroundCompile(applied)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def begin_step() -> None:
-        if applied is not None:
-            applied.begin_step()  # as CompileCallback does before each batch: CUDA graphs' step marks
-
-    def train_step(batch: Dict[str, torch.Tensor]) -> None:
-        begin_step()
-        with autocast:
-            loss = forward(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
 
     telemetry = CompileTelemetry(applied).install()  # its callbacks see every compile, lazy backwards included
-
-    def compiles() -> int:
-        return telemetry.compile_count
 
     synchronize(device)
     started = time.perf_counter()
@@ -177,7 +159,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
                 warmup.length, warmup.batch_size = sample.length, sample.rows
         positions += batch["input_ids"].numel()
         eager = background is not None and not background.installed and not background.poll()
-        before, step_started = compiles(), time.perf_counter()
+        before, step_started = telemetry.compile_count, time.perf_counter()
         train_step(batch)
         synchronize(device)
         seconds = time.perf_counter() - step_started
@@ -186,14 +168,14 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         # CUDA graph trees run a new shape once to warm up and record it at its second run
         recording = cuda_graphs and occurrences[length] < 2
         occurrences[length] += 1
-        if compiles() == before and not recording and not eager:
+        if telemetry.compile_count == before and not recording and not eager:
             steady_tokens += int(batch["attention_mask"].sum())
             steady_s += seconds
     total = time.perf_counter() - started
     if background is not None:
         background.close()
     again = [b for b, (length, *_) in zip(batches, step_ms) if not cuda_graphs or occurrences[length] >= 2]
-    before = compiles()
+    before = telemetry.compile_count
     steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
     if args.profile:
         tail = batches[-args.profile :]
@@ -218,7 +200,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         "warmup_s": warmup_s,
         "steady_real_tokens_per_s": steady_tokens_per_s,
         "steady_steps": len(again),
-        "steady_compiles": compiles() - before,  # 0: nothing compiled in the steady pass
+        "steady_compiles": telemetry.compile_count - before,  # 0: nothing compiled in the steady pass
         "synced_steady_real_tokens_per_s": steady_tokens / steady_s if steady_s else None,
         "graphs": compat.unique_graphs(),
         # a frame's compiles after its first, bucket warm-up's aside
@@ -287,17 +269,17 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    parser = common.arguments(__doc__.splitlines()[0], "hf_varlen", "tiny Llama on the CPU, aot_eager, 8 steps")
+    smoke = "tiny Llama on the CPU, aot_eager, 8 steps"
+    parser = common.arguments(
+        __doc__.splitlines()[0], "hf_varlen", smoke, steps=200, backend="inductor", variant_timeout=240
+    )
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help=f"of {VARIANTS}; a policy's with @key=value")
-    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--min-length", type=int, default=64)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", choices=list(ROWS), default="equal", help="one length a batch, or ragged rows")
     parser.add_argument("--profile", type=int, default=0, help="profile N more steps a variant, after the stream")
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--variant-timeout", type=int, default=240, help="seconds per variant")
     parser.add_argument("--plain-timeout", type=int, help="seconds for plain (default: --variant-timeout)")
     common.hidden(parser, "--worker")
     args = parser.parse_args()

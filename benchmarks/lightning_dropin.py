@@ -1,11 +1,9 @@
 """The callback dropped into a plain LightningModule, as a user runs it: ``Trainer(precision="bf16-mixed")``, fused
-AdamW, no telemetry configuration. HF Llama (16 layers, d 1024, ``use_cache=False``, 8 x 1024 tokens in a dict
-batch) and timm ViT-B/16 (64 images of 224²), each under eager, ``torch.compile`` by hand, and ``CompileCallback``
-with ``regional``, ``regional_background`` and ``full``; per row the benchmark's own clock (CUDA events: first step,
-median steady step, items/s, MFU from ``FlopCounterMode``) beside the callback's summary and their ratio. Then the
-compile cache through ``train.py`` (recipe ``gpt2_small``, ``regional`` and ``full``): ``cold`` writes the bundle,
-``new_machine`` loads it with empty Inductor/Triton caches, ``full`` ``cold_no_cache`` is the base of
-``vs_full_cold``. Each variant a fresh process with empty compile caches.
+AdamW, no telemetry configuration. HF Llama (8 x 1024 tokens, a dict batch) and timm ViT-B/16 (64 images of 224²)
+under eager, ``torch.compile`` by hand, and ``CompileCallback`` with ``regional``, ``regional_background`` and
+``full``: the benchmark's own clock (CUDA events) beside the callback's summary. Then the compile cache through
+``train.py`` (``gpt2_small``): ``cold`` writes the bundle, ``new_machine`` loads it with empty Inductor/Triton caches,
+``full`` ``cold_no_cache`` is the base of ``vs_full_cold``. Each variant a fresh process with empty compile caches.
 
     python benchmarks/lightning_dropin.py --out benchmarks/results/lightning_dropin.json
     python benchmarks/lightning_dropin.py --models llama --cache-policies '' --out /tmp/llama.json   # one part
@@ -28,7 +26,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.real_models import WithLoss, build_model, count_flops  # noqa: E402
+from benchmarks.models import TIMM_VIT_TINY, build_model, count_flops  # noqa: E402
 
 MODELS = ("llama", "vit")
 VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
@@ -48,7 +46,7 @@ def build(name: str, smoke: bool) -> nn.Module:
         return build_model("llama", smoke)[0]
     import timm
 
-    tiny = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2) if smoke else {}
+    tiny = TIMM_VIT_TINY if smoke else {}
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000, **tiny)
 
 
@@ -109,22 +107,20 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     torch.manual_seed(0)
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
-    # real_models' FLOP count: a language model takes its ids as labels, a classifier (images, labels) with its loss
-    if args.model == "llama":
-        flops = count_flops("lm", net.to(device), data[0]["input_ids"].to(device), autocast=on_gpu)
-    else:
-        images, labels = (t.to(device) for t in data[0])
-        flops = count_flops("image", WithLoss(net).to(device), (images, labels), autocast=on_gpu)
+    module = make_module(args.model, net.to(device))
+    first = data[0]
+    first = {k: v.to(device) for k, v in first.items()} if isinstance(first, dict) else [t.to(device) for t in first]
+    flops = count_flops(net, lambda: module.training_step(first, 0), device.type, autocast=on_gpu)
     callbacks: List[Any] = []
     compile_callback = None
     if args.variant == "by_hand":
-        net = torch.compile(net, **({"backend": "aot_eager"} if args.smoke else {}))
+        module.net = torch.compile(net, **({"backend": "aot_eager"} if args.smoke else {}))
     elif args.variant != "eager":
         compile_callback = CompileCallback(args.variant, **({"backend": "aot_eager"} if args.smoke else {}))
         callbacks.append(compile_callback)
     clock = step_clock(device)
     trainer = common.quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
-    trainer.fit(make_module(args.model, net), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     units = "tokens" if args.model == "llama" else "images"
@@ -176,9 +172,11 @@ def train_py(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def run_cache(args: argparse.Namespace, policy: str, phase: str, bundle: Path) -> Dict[str, Any]:
-    command = ["--worker", "--cache-run", f"{policy}:{phase}", "--bundle", str(bundle), "--steps", str(args.steps)]
+    command = common.flags(
+        worker=True, cache_run=f"{policy}:{phase}", bundle=bundle, steps=args.steps, smoke=args.smoke
+    )
     row = {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}"}
-    return common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, row)
+    return common.fresh_row(__file__, command, args.timeout, row)
 
 
 def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -200,17 +198,14 @@ def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
-    command = ["--worker", "--model", model, "--variant", variant, "--steps", str(args.steps)]
-    row = {"model": model, "variant": variant}
-    return common.fresh_row(__file__, command + ["--smoke"] * args.smoke, args.timeout, row)
+    command = common.flags(worker=True, model=model, variant=variant, steps=args.steps, smoke=args.smoke)
+    return common.fresh_row(__file__, command, args.timeout, {"model": model, "variant": variant})
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "lightning_dropin", "CPU, tiny models, backend aot_eager")
+    parser = common.arguments(__doc__, "lightning_dropin", "CPU, tiny models, aot_eager", steps=None, timeout=240)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=None, help="training steps a variant (50; 4 with --smoke)")
-    parser.add_argument("--timeout", type=int, default=240, help="seconds a variant may take")
     parser.add_argument("--cache-policies", default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)")
     common.hidden(parser, "--cache-run", "--bundle", "--model", "--variant")
     common.hidden(parser, "--worker", action="store_true")

@@ -1,17 +1,13 @@
-"""Optimizer-step benchmark: AdamW over GPT-2 small's parameters with torch's foreach and fused kernels,
-``torch.compile`` of ``opt.step()`` and this project's compiled step, with and without ``clip_grad_norm_(1.0)``, in
-one process: the step alone, and in training behind a cheap backward (less that backward alone); then GPT-2 small
-trained end to end (Lightning, ``regional``, bf16; ``benchmarks/train_step.py``'s worker), less the same training
-with no update. Rows, columns and how each is timed: docs/optimizer.md ("The benchmark"). GPU run (1,000 steps per
-variant; about 5 minutes, and 7 more for the training rows; or split in two, ``--append`` adding to the first's):
+"""Optimizer-step benchmark: AdamW over GPT-2 small's parameters (foreach, fused, ``torch.compile(opt.step)`` and
+this project's compiled step, with and without ``clip_grad_norm_(1.0)``): the step alone, in training behind a cheap
+backward, and GPT-2 small trained end to end by Lightning (``train_step.py``'s worker). Rows and how each is timed:
+docs/optimizer.md ("The benchmark"). GPU run, whole or in two (``--append`` adds to the first's rows):
 
     python benchmarks/optimizer.py --out benchmarks/results/optimizer.json
     python benchmarks/optimizer.py --no-end-to-end --out benchmarks/results/optimizer.json
     python benchmarks/optimizer.py --only-end-to-end --append --out benchmarks/results/optimizer.json
 
-CPU smoke run (tiny model, aot_eager, the Triton kernel interpreted), as CI runs it:
-
-    TRITON_INTERPRET=1 python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json
+CPU smoke run, as CI runs it: ``TRITON_INTERPRET=1 python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json``
 """
 
 from __future__ import annotations
@@ -34,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile  # noqa: E402
+from benchmarks.models import GPT2_SMALL  # noqa: E402
 from compile_trainer import compat  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
-GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
 PASSES = 7  # AdamW moves 7 x the parameter bytes per step
@@ -313,9 +309,8 @@ def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int,
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    parser = common.arguments(__doc__, "optimizer", "tiny model on the CPU with aot_eager, 20 steps")
-    parser.add_argument("--steps", type=int, help="scheduled steps per variant (default 1000; smoke 20)")
-    parser.add_argument("--backend", help="torch.compile backend (default inductor; smoke aot_eager)")
+    smoke = "tiny model on the CPU with aot_eager, 20 steps"
+    parser = common.arguments(__doc__, "optimizer", smoke, steps=None, backend=None)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
     parser.add_argument("--no-training-rows", action="store_true", help="skip the in-training rows")
     parser.add_argument(

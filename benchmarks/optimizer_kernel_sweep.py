@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import StepTimer, format_table, write_result  # noqa: E402
-from benchmarks.optimizer import GPT2_SMALL, LR, MAX_NORM, WEIGHT_DECAY, set_grads  # noqa: E402
+from benchmarks.models import GPT2_SMALL  # noqa: E402
+from benchmarks.optimizer import LR, MAX_NORM, WEIGHT_DECAY, set_grads  # noqa: E402
 from compile_trainer.optimizer import compile_optimizer, triton_update  # noqa: E402
 from recipes.gpt import GPT  # noqa: E402
 

@@ -1,10 +1,10 @@
 """Probe: can a region's Dynamo trace travel in a bundle? ``torch.compile(...).aot_compile`` on a region entry.
 
-The compile cache's new-machine first step is mostly Dynamo tracing every frame again (docs/compile_cache.md).
-torch's precompile API (``aot_compile``: Dynamo's bytecode, guards and the backend's compiled code, serialized)
-would skip it. This probe compiles 12 GPT-2-small blocks through one entry shaped like ``apply_policy``'s, trains a
-step under bf16 autocast, serializes, and loads it in a fresh process with empty Inductor caches. Run each line in
-its own process (``--mode reduce-overhead`` for CUDA graphs):
+A new machine's first step is mostly Dynamo tracing every frame again (docs/compile_cache.md); ``aot_compile``
+(Dynamo's bytecode, guards and compiled code, serialized) would skip it. The probe compiles 12 of the recipe's GPT-2
+small blocks through one entry shaped like ``apply_policy``'s, trains a step under bf16 autocast, serializes, and
+loads it in a fresh process with empty Inductor caches. Each line in its own process (``--mode reduce-overhead``:
+CUDA graphs):
 
     python benchmarks/precompile_probe.py cold --mode default --out /tmp/probe
     python benchmarks/precompile_probe.py load --mode default --out /tmp/probe
@@ -21,30 +21,18 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-class Block(nn.Module):
-    def __init__(self, width: int = 768, heads: int = 12):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(width, 2)
-        q, k, v = [t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v)]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, length, width)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+from benchmarks.models import GPT2_SMALL  # noqa: E402
+from recipes.gpt import Block  # noqa: E402
 
 
 def _call_region(module: nn.Module, *args, **kwargs):
@@ -81,7 +69,7 @@ def main() -> None:
     if hasattr(torch._dynamo.config, "enable_aot_compile"):  # torch 2.11 hides .aot_compile behind it
         torch._dynamo.config.enable_aot_compile = True
     torch.manual_seed(0)
-    blocks = nn.ModuleList([Block() for _ in range(12)]).cuda()
+    blocks = nn.ModuleList([Block(GPT2_SMALL) for _ in range(12)]).cuda()
     x = torch.randn(8, 1024, 768, device="cuda", requires_grad=True)
 
     def step(run) -> torch.Tensor:

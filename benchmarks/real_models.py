@@ -1,9 +1,8 @@
 """Real models: eager vs torch.compile vs accelerate's compile_regions vs the bundled policies, side by side.
 
-HF Llama (16 layers, d 1024, 16 heads / 8 KV heads, vocab 32000; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens),
-ViT-B/16 and ResNet-50 (timm, or transformers' where timm is not installed; 64 images of 224², the loss inside a
-wrapper), random weights, bf16 autocast, fused AdamW; each variant in a fresh process with empty compile caches
-(``--isolation variant``), so its first step shows the cold compile a user pays. GPU run, in two 10-minute commands:
+HF Llama (16 layers, d 1024, 8 KV heads; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens), ViT-B/16 and ResNet-50
+(64 images of 224²) from ``benchmarks/models.py``; bf16 autocast, fused AdamW; each variant in a fresh process with
+empty compile caches (``--isolation variant``): its first step is the cold compile a user pays. GPU run:
 
     python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
     python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
@@ -20,12 +19,12 @@ CPU smoke run (tiny configs, aot_eager, all in one process): ``python benchmarks
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -34,7 +33,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, models  # noqa: E402
+from benchmarks.models import build_model, has_module  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -105,84 +105,6 @@ def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
     return name, rest or None
 
 
-class WithLoss(nn.Module):
-    """A classifier whose forward returns the cross-entropy of its logits, so the loss is part of the model."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.net(pixel_values)
-        if not isinstance(logits, torch.Tensor):  # transformers' ImageClassifierOutput
-            logits = logits.logits
-        return nn.functional.cross_entropy(logits.float(), labels)
-
-
-def has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
-    """The model (random weights, dropout off so every variant computes the same losses), where it comes from,
-    and its number of classes or vocabulary size."""
-    import transformers
-
-    if name in ("llama", "llama_default"):
-        sizes = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
-        sizes |= dict(num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-        if smoke:
-            sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-            sizes |= dict(num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
-        config = transformers.LlamaConfig(**sizes, **({"use_cache": False} if name == "llama" else {}))
-        return transformers.LlamaForCausalLM(config), "transformers LlamaForCausalLM", config.vocab_size
-    if name == "gpt2":
-        sizes = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
-        if smoke:
-            sizes = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=256, n_positions=64)
-        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        config = transformers.GPT2Config(**sizes, **no_dropout, use_cache=False)
-        return transformers.GPT2LMHeadModel(config), "transformers GPT2LMHeadModel", config.vocab_size
-    if name == "t5_base":
-        sizes = dict(d_model=768, d_ff=3072, d_kv=64, num_layers=12, num_decoder_layers=12, num_heads=12)
-        if smoke:
-            sizes = dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=256)
-        # t5-base's config also sets the decoder's start token (transformers' T5Config has none by default)
-        config = transformers.T5Config(**sizes, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
-        model = transformers.T5ForConditionalGeneration(config)
-        return model, "transformers T5ForConditionalGeneration", config.vocab_size
-    return _vision_model(name, smoke, 10 if smoke else 1000)
-
-
-def _vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, int]:
-    """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI): its
-    ``<prefix>Config`` defaults are ViT-B/16, ResNet-50 and ConvNeXt-T; its ViT has no stochastic depth, BEiT has."""
-    import transformers
-
-    vit = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
-    hf_vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
-    hf_vit |= dict(intermediate_size=64)
-    hf_resnet = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2])
-    convnext = dict(hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1])
-    # name: timm's model and its tiny sizes, transformers' prefix and its tiny sizes, what both add
-    timm_name, timm_tiny, prefix, tiny, extra = {
-        "vit": ("vit_base_patch16_224", vit, "ViT", hf_vit, {}),
-        "vit_drop_path": ("vit_base_patch16_224", vit, "Beit", hf_vit, dict(drop_path_rate=0.1)),
-        "resnet50": ("resnet50", dict(layers=(2, 2, 2, 2)), "ResNet", hf_resnet, {}),
-        "convnext_tiny": ("convnext_tiny", dict(depths=(1, 1, 2, 1), dims=(8, 16, 32, 64)), "ConvNext", convnext, {}),
-    }[name]
-    if has_module("timm"):
-        import timm
-
-        tiny = timm_tiny if smoke else {}
-        net = timm.create_model(timm_name, pretrained=False, num_classes=classes, **tiny, **extra)
-        return WithLoss(net), f"timm {timm_name}" + (" drop_path_rate=0.1" if extra else ""), classes
-    extra |= dict(layer_type="bottleneck") if prefix == "ResNet" else {}
-    config = getattr(transformers, f"{prefix}Config")(**(tiny if smoke else {}), **extra, num_labels=classes)
-    model = getattr(transformers, f"{prefix}ForImageClassification")(config)
-    return WithLoss(model), f"transformers {prefix}ForImageClassification", classes
-
-
 def make_batches(name: str, smoke: bool, size: int, count: int, device: torch.device) -> Tuple[List[Any], int]:
     """``count`` batches of random data (the same in every process), and the tokens or images in one batch."""
     spec = MODELS[name]
@@ -202,34 +124,6 @@ def loss_of(family: str, run: Callable[..., Any], batch: Any) -> torch.Tensor:
     if family == "lm":
         return run(input_ids=batch, labels=batch).loss  # transformers shifts the labels
     return run(*batch)
-
-
-def count_flops(family: str, model: nn.Module, batch: Any, autocast: bool) -> int:
-    """FLOPs of one eager forward and backward (matmuls, convolutions, attention), counted once."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False, custom_mapping=grouped_query_attention_formulas())
-    with counter, torch.autocast(_device_type(batch), dtype=torch.bfloat16, enabled=autocast):
-        loss_of(family, model, batch).backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
-
-
-def grouped_query_attention_formulas() -> Dict[Any, Callable[..., int]]:
-    """FlopCounterMode's attention formulas for grouped-query shapes (the library's: ``compat``), counted as the
-    kernels compute them (torch < 2.13's own formulas assert equal heads)."""
-    from torch.utils.flop_counter import flop_registry
-
-    from compile_trainer import compat
-
-    formulas = compat.grouped_query_attention_formulas(flop_registry)
-    for formula in formulas.values():
-        formula._get_raw = True  # type: ignore[attr-defined]  # called with the op's arguments, not their shapes
-    return formulas
-
-
-def _device_type(batch: Any) -> str:
-    return (batch if isinstance(batch, torch.Tensor) else batch[0]).device.type
 
 
 def prepare(
@@ -262,8 +156,7 @@ def prepare(
 
 
 def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[str, Any]) -> Dict[str, Any]:
-    """Train ``args.warmup + args.steps`` steps of model ``name`` under ``variant``; return what was measured.
-    ``state`` carries the FLOP count from one variant to the next within a process."""
+    """Train model ``name`` under ``variant``; ``state`` keeps its FLOP count for the process's next variant."""
     from compile_trainer.telemetry.compile_events import CompileTelemetry
 
     device = common.device_for(args.smoke)
@@ -278,7 +171,8 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[s
         batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
     if "flops" not in state:
         try:
-            state["flops"] = count_flops(spec.family, model, batches[0], autocast=device.type == "cuda")
+            loss = partial(loss_of, spec.family, model, batches[0])
+            state["flops"] = models.count_flops(model, loss, device.type, autocast=device.type == "cuda")
         except Exception as error:  # no MFU, but the variant's other numbers
             state["flops"], state["flops_error"] = None, f"FLOPs not counted: {type(error).__name__}: {error}"[:300]
     flops = state["flops"]
@@ -307,37 +201,24 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
     """The first step (timed alone), the warm-up, the timed steps; what the compiler did meanwhile."""
     from torch._dynamo.utils import counters, get_compilation_metrics
 
-    autocast = device.type == "cuda"
+    train = common.training_step(optimizer, partial(loss_of, spec.family, run), device, applied, mark_step=mark_step)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
-        if applied is not None:
-            applied.begin_step()  # with CUDA graphs: one step's regions share one CUDA-graph step
-        if mark_step:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_of(spec.family, run, batches[index % len(batches)])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train(batches[index % len(batches)])
         if len(losses) < LOSSES_COMPARED:
-            losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
+            losses.append(loss.clone())  # a CUDA-graph output is overwritten by the next replay
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    first_step = common.timed(device, lambda: step(0))
-    for index in range(1, args.warmup):
-        step(index)
-    times = common.time_steps(device, step, args.steps, args.warmup)
+    times = common.first_warm_timed(device, step, args.warmup, args.steps)
     telemetry.collect()
     totals = telemetry.totals()
     return {
-        "first_step_s": first_step,
+        "first_step_s": times["first_step_s"],
         "step_ms": times["step_s"] * 1e3,
         "step_s": times["step_s"],
         "slowest_step_ms": times["slowest_step_s"] * 1e3,
         "window_s": times["window_s"],
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": common.peak_memory_gib(device),
         "graphs": counters["stats"]["unique_graphs"],
         "recompiles": totals["recompiles"],
         "grad_mode_variants": totals["grad_mode_variants"],
@@ -355,8 +236,8 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
 
 
 def run_worker(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
-    """Run ``args.worker_runs`` (``model:variant``) one after the other, the compiler's state and caches reset
-    before each; write each one's result as soon as it is done (a run cut short keeps the ones before)."""
+    """``args.worker_runs`` (``model:variant``) in turn, compiler state and caches reset before each; the results
+    written after each (a run cut short keeps the ones before)."""
     if torch.cuda.is_available() and not args.smoke:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
@@ -501,13 +382,11 @@ def batch_text(name: str, smoke: bool) -> str:
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "real_models", "tiny configs on the CPU, aot_eager, few steps")
+    smoke = "tiny configs on the CPU, aot_eager, few steps"
+    parser = common.arguments(__doc__, "real_models", smoke, steps=30, warmup=5, backend=None, variant_timeout=150)
     parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--variants", nargs="*", choices=list(PEERS), help="the peers to run (default: all)")
     parser.add_argument("--policies", nargs="*", help=f"bundled policies, each as policy_<name> ({DEFAULT_POLICIES})")
-    parser.add_argument("--steps", type=int, default=30, help="timed steady-state steps")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
-    parser.add_argument("--backend", help="compile backend of every variant (default: inductor; the policies' own)")
     parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s for MFU (default: 989.4 on H100/H200)")
     parser.add_argument("--channels-last", action="store_true", help="vision models and images in channels_last")
     parser.add_argument(
@@ -516,7 +395,6 @@ def main() -> None:
         help="a fresh process per variant (default; the honest cold start), per model, or one for the run (default "
         "with --smoke); the last two miss in a first step what a process compiles or loads once (imports, CUDA)",
     )
-    parser.add_argument("--variant-timeout", type=int, default=150, help="seconds per variant")
     parser.add_argument("--budget-s", type=float, default=540, help="variants that would start past it: error rows")
     parser.add_argument("--append", action="store_true", help="keep --out's rows of (model, variant)s not run now")
     parser.add_argument("--estimate", action="store_true", help="print the time estimate and exit")
@@ -540,10 +418,10 @@ def main() -> None:
     estimate(runs, args)
     if args.estimate:
         return
-    args.passthrough = [f"--steps={args.steps}", f"--warmup={args.warmup}"]
-    args.passthrough += [f"--backend={args.backend}"] if args.backend else []
-    args.passthrough += [f"--peak-tflops={args.peak_tflops}"] if args.peak_tflops else []
-    args.passthrough += [flag for flag, on in (("--smoke", args.smoke), ("--channels-last", args.channels_last)) if on]
+    args.passthrough = common.flags(
+        steps=args.steps, warmup=args.warmup, backend=args.backend, peak_tflops=args.peak_tflops, smoke=args.smoke,
+        channels_last=args.channels_last,
+    )  # fmt: skip
 
     meta = common.environment() | {"isolation": args.isolation}
     results: Dict[Tuple[str, str], Dict[str, Any]] = {}

@@ -4,12 +4,10 @@
     python benchmarks/telemetry_overhead.py --out telemetry_overhead.json --peak-tflops 989  # H200: give the peak
     python benchmarks/telemetry_overhead.py --smoke --out /tmp/smoke.json            # CPU, tiny model, seconds
 
-The model is compiled once; then windows of steps alternate telemetry off and on (ABBA order, so
-drift cancels), each window timed by the wall clock between two device synchronizations. "On" runs
-the exact per-step hooks of ``FitTelemetry`` (what ``CompileCallback`` calls from Lightning), including
-its periodic metrics computation; "off" runs none. Also reported: the host time spent inside the hooks,
-and the telemetry's own steady step time (CUDA events) next to the wall-clock one, as a check that
-its lazily read events time steps correctly. Needs torch and lightning only (no hydra/omegaconf/wandb).
+Compiled once; then windows of steps alternate telemetry off and on (ABBA order, so drift cancels), each timed
+between two device syncs. "On" runs ``FitTelemetry``'s per-step hooks (what ``CompileCallback`` calls), its periodic
+metrics included. Also reported: the hooks' host time, and the telemetry's own steady step time beside the wall
+clock's (a check of its lazily read CUDA events). Needs torch and lightning only.
 """
 
 from __future__ import annotations
@@ -19,6 +17,8 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List
@@ -29,21 +29,21 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.lightning.fit_telemetry import FitTelemetry  # noqa: E402
 from compile_trainer.schema import CompilePolicy, Rule, TelemetryConfig, validate_policy  # noqa: E402
 from recipes.gpt import LanguageModel  # noqa: E402
 
-GPT2_SMALL = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0)
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 
 
 def parse_args(argv: List[str]) -> argparse.Namespace:
-    parser = common.arguments(__doc__, "telemetry_overhead", "tiny model on the CPU with the eager backend")
+    smoke = "tiny model on the CPU with the eager backend"
+    parser = common.arguments(__doc__, "telemetry_overhead", smoke, backend="inductor")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--windows", type=int, default=12, help="windows per arm (even numbers keep ABBA balanced)")
     parser.add_argument("--steps-per-window", type=int, default=25)
-    parser.add_argument("--backend", default="inductor")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (H200: 989)")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -53,7 +53,7 @@ def parse_args(argv: List[str]) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     device = common.device_for(args.smoke)
-    shape = TINY if args.smoke else GPT2_SMALL
+    shape = TINY if args.smoke else asdict(GPT2_SMALL)
     torch.manual_seed(0)
     module = LanguageModel(model=shape, fused=device.type == "cuda").to(device)
     optimizer = module.configure_optimizers()["optimizer"]
@@ -69,12 +69,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     trainer = SimpleNamespace(global_step=0, log_every_n_steps=10, loggers=[], precision=precision)
     telemetry.start(trainer, module, applied)
 
-    def step() -> None:
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            _, loss = module.model(*batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train = common.training_step(optimizer, lambda batch: module.model(*batch)[1], device)
+    step = partial(train, batch)
 
     hook_seconds = 0.0
 

@@ -28,18 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.common import StepTimer, synchronize  # noqa: E402
+from benchmarks.models import GPT2_SMALL, count_flops  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
-GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of training: the loop (a plain PyTorch loop or a Lightning Trainer) and how it compiles;
-    ``policy`` names a bundled compile policy, with ``overrides`` merged over it; ``module`` holds arguments
-    of the recipe's ``LanguageModel``."""
+    """One way of training: the loop (``raw`` PyTorch or ``lightning``), how it compiles, a bundled ``policy``
+    with ``overrides``, and arguments of the recipe's ``LanguageModel`` (``module``)."""
 
     loop: str
     how: str
@@ -120,11 +119,8 @@ VARIANTS = {
 
 
 class GcRecorder:
-    """Python garbage collections in the timed window: how many of each generation and how long they paused the
-    host. A full collection walks every object the compilers and Lightning keep alive; in a loop whose host
-    barely keeps up with the GPU, that pause is lost throughput the per-step medians do not show. ``--gc
-    freeze`` collects once after the warm-up and moves the survivors out of the collector's sight
-    (``gc.freeze()``), as a loop that reached steady state may."""
+    """Python's garbage collections in the timed window, per generation, and the host time they paused: lost
+    throughput the per-step medians do not show. ``--gc freeze`` collects once and ``gc.freeze()``s the survivors."""
 
     def __init__(self, mode: str):
         self.mode = mode
@@ -153,8 +149,8 @@ class GcRecorder:
 
 
 class SyncRecorder:
-    """Counts device synchronizations in the timed window (``torch.cuda.set_sync_debug_mode``), with where
-    they come from: a sync a step stops the host from running ahead and starves the GPU."""
+    """Device synchronizations in the timed window by call site (``torch.cuda.set_sync_debug_mode``): each one
+    stops the host from running ahead and starves the GPU."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -179,8 +175,8 @@ class SyncRecorder:
 
 
 class HostProfile:
-    """Where time goes in the timed steps: cProfile of the host (``--host-profile``), or the device's kernels
-    by total time (``--kernel-profile``); for finding out why one loop keeps the GPU less busy than another."""
+    """Where time goes in the timed steps: cProfile of the host (``--host-profile``) and the device's kernels by
+    total time (``--kernel-profile``)."""
 
     def __init__(self, host: bool, kernels: bool, steps: int):
         self.cprofile = cProfile.Profile() if host else None
@@ -265,61 +261,40 @@ def make_module(variant: str, config: GPTConfig, device: torch.device) -> Langua
 
 
 def measure_flops(model: GPT, batch: torch.Tensor, autocast: bool) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter, torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=autocast):
-        _, loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
+    return count_flops(model, lambda: model(batch[:, :-1], batch[:, 1:])[1], batch.device.type, autocast)
 
 
 def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
     module = make_module(variant, config, device)
     model = module.model.to(device)
     batches = [b.to(device) for b in make_batches(config, args.batch_size, 8)]
-    autocast = device.type == "cuda"
-    flops = measure_flops(model, batches[0], autocast)
+    flops = measure_flops(model, batches[0], autocast=device.type == "cuda")
     optimizers = module.configure_optimizers()  # the same AdamW groups and schedule as under Lightning
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     run, applied, background = prepare_raw(variant, model, args.backend)
+    train = common.training_step(
+        optimizer, lambda batch: run(batch[:, :-1], batch[:, 1:])[1], device, applied, scheduler
+    )
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
         if background is not None:
             background.poll()
-        if applied is not None:
-            applied.begin_step()
-        batch = batches[index % len(batches)]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            _, loss = run(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten by the next replay
+        losses.append(train(batches[index % len(batches)]).clone())  # a CUDA-graph output is overwritten by a replay
 
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
-    first_step = common.timed(device, lambda: step(0))
-    offset = 1  # steps run before the warm-up: with a background compile, until the compiled model is in use
-    while background is not None and not background.installed and offset < args.max_eager_steps:
-        step(offset)
-        offset += 1
-    for index in range(offset, offset + args.warmup - 1):
-        step(index)
     syncs = SyncRecorder(args.sync_debug)
     host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
     collections = GcRecorder(args.gc)
-    start = offset + args.warmup - 1
-    times = common.time_steps(device, step, args.steps, start, outer=[collections], inner=[syncs, host])
+    times = common.first_warm_timed(
+        device, step, args.warmup, args.steps, lambda: background is not None and not background.installed,
+        args.max_eager_steps, outer=[collections], inner=[syncs, host],
+    )  # fmt: skip
     host_timer = common.HostTimer(device)
-    first_host_step = offset + args.warmup - 1 + args.steps
-    for index in range(first_host_step, first_host_step + args.host_steps + 1):
+    for index in range(times["next_step"], times["next_step"] + args.host_steps + 1):
         host_timer.step_start()
         step(index)
     synchronize(device)
-    result = finish(first_step, times, args, config, device, flops, losses)
+    result = finish(times, args, config, device, flops, losses)
     result["host_ms"] = host_timer.median_ms()
     extra = background_result(background) | collections.result()
     return result | extra | {"syncs": syncs.sites, "host_profile": host.top()}
@@ -437,11 +412,12 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
         + ([optimizer_step_as(VARIANTS[variant].step)] if VARIANTS[variant].step != "optimizer" else []),
         **dict(VARIANTS[variant].trainer),
     )
-    torch.cuda.reset_peak_memory_stats() if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, train_dataloaders=loader)
     seconds = clock.timer.seconds()
     times = {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": clock.window}
-    result = finish(clock.first_step, times, args, config, device, flops, clock.losses)
+    result = finish(times | {"first_step_s": clock.first_step}, args, config, device, flops, clock.losses)
     result["host_ms"] = clock.host_timer.median_ms()
     extra = background_result(compile_callback.background) | clock.collections.result()
     choices = [step.choice.describe() for step in compile_callback.optimizer_steps if step.choice]
@@ -449,20 +425,20 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
 
 
-def finish(first_step, times, args, config, device, flops, losses) -> Dict[str, Any]:
+def finish(times, args, config, device, flops, losses) -> Dict[str, Any]:
     from torch._dynamo.utils import calculate_time_spent, counters
 
     steps, step_time, window = args.steps, times["step_s"], times["window_s"]
     tokens = args.batch_size * config.block_size
     peak = common.peak_flops(device)
     return {
-        "first_step_s": first_step,
+        "first_step_s": times["first_step_s"],
         "step_ms": step_time * 1e3,
         "slowest_step_ms": times["slowest_step_s"] * 1e3,
         "tokens_per_s": tokens * steps / window,
         "tflops": flops / step_time / 1e12,
         "mfu": flops / step_time / peak if peak else None,
-        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_mem_gib": common.peak_memory_gib(device),
         "graphs": counters["stats"]["unique_graphs"],
         "recompile_reasons": common.recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
@@ -521,13 +497,12 @@ gc_collections gc_pause_ms loss_rel_diff_vs_eager error""".split()
 
 
 def main() -> None:
-    parser = common.arguments(__doc__, "train_step", "tiny model on the CPU with aot_eager")
+    smoke = "tiny model on the CPU with aot_eager"
+    parser = common.arguments(
+        __doc__, "train_step", smoke, steps=200, warmup=5, backend="inductor", variant_timeout=300
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=200, help="timed steady-state steps")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (the first includes compile)")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--backend", default="inductor")
-    parser.add_argument("--variant-timeout", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (medians and spread)")
     parser.add_argument("--max-eager-steps", type=int, default=5000, help="background compile: most eager steps")
     parser.add_argument("--host-steps", type=int, default=10, help="steps after the timed ones timing the host alone")

@@ -118,6 +118,20 @@ def test_every_script_s_command_line_shares_the_harness_s_flags():
     assert args.out == common.RESULTS / "bench.json" and args.smoke and args.worker == "eager"
     assert args.worker_out is None and "--worker" not in parser.format_help()
     assert common.arguments(None).parse_args(["--out", "x.json"]).out.name == "x.json", "no headline: --out given"
+    shared = common.arguments("a benchmark", "bench", steps=200, variant_timeout=300).parse_args(["--steps", "5"])
+    assert shared.steps == 5 and shared.variant_timeout == 300, "the shared flags: given, or the script's default"
+    worker = common.flags(worker=True, steps=4, backend=None, smoke=False, cache_dir="x/y")
+    assert worker == ["--worker", "--steps", "4", "--cache-dir", "x/y"], "none for None or False, a bare one for True"
+
+
+def test_a_training_run_s_steps_each_run_once_in_order():
+    """The first step, eager steps while a background compile is not in use, the warm-up, then the timed ones."""
+    seen = []
+    times = common.first_warm_timed(common.device_for(True), seen.append, 3, 4, lambda: len(seen) < 3, max_eager=10)
+    assert seen == list(range(9)) and times["next_step"] == 9, "0, eager 1-2, warm-up 3-4, timed 5-8"
+    seen.clear()
+    times = common.first_warm_timed(common.device_for(True), seen.append, 1, 2)
+    assert seen == [0, 1, 2] and times["next_step"] == 3, "no warm-up after the first step: timed from 1"
 
 
 def test_the_report_shows_a_headline_s_commit_and_repeats_and_a_former_headline_s_change(tmp_path):
