@@ -242,12 +242,10 @@ def profiled_steps(args: argparse.Namespace, first: int, steps: int) -> Any:
             averages = self.profiler.key_averages()
             tables = [averages.table(sort_by=key, row_limit=30) for key in ("self_cuda_time_total", "cpu_time_total")]
             (folder / f"{name}.txt").write_text("\n".join(tables))
-            trace = folder / f"{name}.trace.json"
-            self.profiler.export_chrome_trace(str(trace))
             if trainer.global_rank == 0:
+                trace = folder / f"{name}.trace.json"
+                self.profiler.export_chrome_trace(str(trace))
                 args.gpu_timeline = gpu_timeline(trace, steps)
-            else:
-                trace.unlink()
             self.profiler = None
 
     return ProfiledSteps()
