@@ -121,6 +121,18 @@ def test_runs_that_differ_only_in_seed_are_repeats_compared_seed_by_seed(tmp_pat
     assert "Recommendation: regional (best median throughput over 2 seeds: 22,500 tokens/s; 2.50x" in text
 
 
+def test_the_table_over_seeds_ranks_settings_as_the_objective_says(tmp_path):
+    """A lower-is-better objective (compile time) puts the setting that compiles least first, as its recommendation."""
+    runs = [(0, "full", 9.0), (0, "regional", 2.0), (1, "full", 8.0), (1, "regional", 3.0)]
+    for job, (seed, policy, compile_s) in enumerate(runs):
+        overrides = [f"compile={policy}", f"seed={seed}"]
+        settings = dict(seed=seed, data={"block_size": 32, "seed": seed}, overrides=overrides)
+        write_run(tmp_path, job, policy, compile_s=compile_s, compile_steps=1, **settings)
+    report = build_report(tmp_path, objective="compile_time")
+    assert [row[0] for row in report.repeat_rows()] == ["regional", "full"]
+    assert report.recommendation().startswith("Recommendation: regional (best median compile_time over 2 seeds: 2.5 s")
+
+
 def test_a_seed_without_its_own_baseline_is_compared_with_the_sweeps(tmp_path):
     write_run(tmp_path, 0, "none", overrides=["compile=none", "seed=0"])
     write_run(tmp_path, 1, "full", step=0.05, seed=1, data={"block_size": 32, "seed": 1}, overrides=["compile=full"])

@@ -184,13 +184,17 @@ class Report:
     def seeds(self) -> List[Any]:
         return sorted({run.seed for run in self.runs if run.result is not None}, key=str)
 
+    def by_setting(self) -> Dict[str, List[Run]]:
+        """The runs of each setting (label without the seed): a setting's runs are repeats."""
+        settings: Dict[str, List[Run]] = {}
+        for run in self.runs:
+            settings.setdefault(run.setting, []).append(run)
+        return settings
+
     @property
     def repeated(self) -> bool:
         """Some setting ran with more than one seed."""
-        settings: Dict[str, set] = {}
-        for run in self.runs:
-            settings.setdefault(run.setting, set()).add(run.seed)
-        return any(len(seeds) > 1 for seeds in settings.values())
+        return any(len({run.seed for run in runs}) > 1 for runs in self.by_setting().values())
 
     def baseline_for(self, run: Run) -> Optional[Run]:
         """The eager baseline of the run's seed, else the sweep's."""
@@ -366,12 +370,9 @@ class Report:
         ]
 
     def repeat_rows(self) -> List[List[str]]:
-        """One row per setting run with several seeds: medians over its finished runs, and their spread."""
-        settings: Dict[str, List[Run]] = {}
-        for run in self.runs:
-            settings.setdefault(run.setting, []).append(run)
+        """One row per setting, best median objective first: medians over its finished runs, and their spread."""
         rows = []
-        for setting, runs in sorted(settings.items(), key=lambda item: -(self._median_objective(item[1]) or 0)):
+        for setting, runs in self._ranked_settings():
             done = [run for run in runs if run.ok]
             throughput = [objective_value(run.result, "throughput") for run in done]
             throughput = [value for value in throughput if value is not None]
@@ -392,21 +393,26 @@ class Report:
         values = [objective_value(run.result, self.objective) for run in runs if run.ok and not run.flags]
         return _median(values)
 
+    def _ranked_settings(self) -> List[Tuple[str, List[Run]]]:
+        """Settings by their median objective, best first (as ``ranked`` orders runs); none last."""
+        maximize = OBJECTIVES[self.objective].maximize
+
+        def key(item: Tuple[str, List[Run]]) -> Tuple[int, float]:
+            value = self._median_objective(item[1])
+            return (1, 0.0) if value is None else (0, -value if maximize else value)
+
+        return sorted(self.by_setting().items(), key=key)
+
     def recommendation(self) -> str:
         if self.repeated:
             return self._recommendation_over_seeds()
         return self._recommendation_of_one_run()
 
     def _recommendation_over_seeds(self) -> str:
-        settings: Dict[str, List[Run]] = {}
-        for run in self.runs:
-            settings.setdefault(run.setting, []).append(run)
-        scored = [(name, self._median_objective(runs), runs) for name, runs in settings.items()]
-        scored = [item for item in scored if item[1] is not None]
-        if not scored:
+        name, runs = self._ranked_settings()[0]
+        value = self._median_objective(runs)
+        if value is None:
             return "Recommendation: no run finished without a flag; see the flags below."
-        maximize = OBJECTIVES[self.objective].maximize
-        name, value, runs = sorted(scored, key=lambda item: -item[1] if maximize else item[1])[0]
         counted = sum(run.ok and not run.flags for run in runs)
         text = (
             f"Recommendation: {name} (best median {self.objective} over {counted} seeds: "
