@@ -486,6 +486,22 @@ def eager_backward_lowering() -> Any:
     return functorch_config.patch({EAGER_BACKWARD_FLAG: True})
 
 
+def outside_dispatch_modes() -> Any:
+    """A context in which no ``TorchDispatchMode`` (a FLOPs count, say) sees the ops run (checked 2.9.1-2.14.1)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def warm_compile_workers() -> None:
+    """Start Inductor's compile-worker pool now. Inductor starts it at its first compile, and until the pool is
+    ready Triton kernels compile in the compiling thread, holding the GIL (checked 2.9.1-2.14.1). A no-op where
+    the pool is not used (no Triton, one compile thread)."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 def import_cudagraph_trees() -> None:
     """CUDA graph trees create per-thread state on import; the thread that runs the graphs needs it (2.11)."""
     import torch._inductor.cudagraph_trees  # noqa: F401
@@ -1061,6 +1077,34 @@ def _probe_eager_backward_lowering() -> None:
     assert getattr(functorch_config, EAGER_BACKWARD_FLAG) == before
 
 
+def _probe_outside_dispatch_modes() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        ops: List[Any] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2) + 1
+        with outside_dispatch_modes():
+            torch.ones(2) * 3
+        seen = len(Seen.ops)
+        torch.ones(2) - 1
+    assert seen == 2 and len(Seen.ops) == 4, Seen.ops
+
+
+def _probe_warm_compile_workers() -> None:
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+    from torch.utils._triton import has_triton_package
+
+    warm_compile_workers()
+    if get_compile_threads() > 1 and has_triton_package() and os.environ.get("TORCH_WARM_POOL", "1") == "1":
+        assert AsyncCompile.process_pool.cache_info().currsize == 1, "the worker pool exists once warmed"
+
+
 def _probe_nested_compile_region() -> None:
     assert has_nested_compile_region()
 
@@ -1161,6 +1205,8 @@ ENTRIES = [
     Entry("fx_patcher", _probe_fx_patcher),
     Entry("compile_session_owner", _probe_compile_session),
     Entry("import_cudagraph_trees", _probe_cudagraph_trees),
+    Entry("warm_compile_workers", _probe_warm_compile_workers),
+    Entry("outside_dispatch_modes", _probe_outside_dispatch_modes),
     Entry("optimizer internals", _probe_optimizer),
     Entry("inductor_cache_dir", _probe_inductor_cache_dir),
     Entry("cache_counters", _probe_cache_counters),

@@ -7,6 +7,7 @@ it eagerly while a background thread compiles it) are ``Interceptor`` objects ad
 
 ========================  ==========================================================================
 ``SYNC_VALUES``           per-block values: refill the buffers the compiled code reads them from (drop-path rates)
+``PROMOTE_INPUTS``        dtypes: upcast a block's lower-precision inputs where it promotes them anyway
 ``MARK_INPUTS``           shapes: mark the region's inputs dynamic like the batch (before anything records them)
 ``STRICT_RECOMPILES``     shapes: after warm-up, a recompile is an error naming the region and the guard
 ``BUCKET_WARMUP``         shapes: record a call that compiled, to compile it for every other bucket
@@ -26,6 +27,7 @@ import functools
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 SYNC_VALUES = 5
+PROMOTE_INPUTS = 7
 MARK_INPUTS = 10
 STRICT_RECOMPILES = 20
 BUCKET_WARMUP = 25

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import types
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -37,6 +38,7 @@ from compile_trainer.compiling.block_values import (
     train_without_cache,
     trial_trace,
 )
+from compile_trainer.compiling.promoted_inputs import PromotedInputs
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
@@ -448,6 +450,10 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         applied.compiled.append(item)
         if region.role == "nested":
             _mark_nested_blocks(applied, root, region)
+    blocks = Counter(item.entry_key for item in applied.compiled if item.region.role == "block")
+    shared = [key for key, count in blocks.items() if count > 1]
+    if shared:
+        applied.interceptors.add(PromotedInputs(shared, functools.partial(_note_upcast, applied)))
     for name in plan.training_without_cache:
         applied.process_settings.callback(train_without_cache(root.get_submodule(name)).remove)
     for name in plan.eager:
@@ -457,6 +463,13 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
             applied.eager_inside.append(name)
     setattr(root, APPLIED_ATTR, applied)
     return applied
+
+
+def _note_upcast(applied: AppliedPolicy, name: str) -> None:
+    applied.notes.append(
+        f"{name} and the blocks sharing its graph: bfloat16/float16 inputs upcast to float32, which the block "
+        "promotes them to anyway (its outputs checked equal): one graph instead of one per input dtype"
+    )
 
 
 def _split_by_value(applied: AppliedPolicy, entry_key: str, compiled: Dict[str, Any], pinned: str) -> None:

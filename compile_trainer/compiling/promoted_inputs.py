@@ -1,0 +1,114 @@
+"""Blocks handed a lower-precision input than their siblings: upcast it where the block promotes it anyway.
+
+Under autocast a stage of a CNN or of a hierarchical transformer often hands its first block a bfloat16 activation
+(a downsampling convolution's output) and every other block the float32 output of the block before it (the
+residual sum promotes). Blocks that share one compiled entry then compile it once per input dtype: in timm's
+ConvNeXt-T, 3 of the 7 graphs and about a third of the regional compile (H200, 2026-11-26).
+
+``PromotedInputs`` (an interceptor at ``region_call.PROMOTE_INPUTS``) decides once per shared entry, at its first
+call under autocast. If that call has a bfloat16 or float16 floating input, it runs eagerly (it is the step's own
+computation, run once), and where every floating output is float32 the block's ``forward`` runs once more, without
+gradients, on the inputs upcast to float32: same random-number state, its buffers restored after, the FLOPs count
+and any other dispatch mode off. Outputs equal bit for bit: from then on such inputs are upcast before the call,
+so the entry compiles for float32 only. Otherwise calls go on as they come (a graph per dtype). The upcast changes
+nothing in the forward (checked on the call itself); in the backward the input's gradient is summed in float32 and
+rounded once, where eager autograd sums it in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, List, Tuple
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from compile_trainer import compat
+from compile_trainer.compiling import region_call
+
+log = logging.getLogger(__name__)
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _low_precision(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in LOW_PRECISION
+
+
+def _upcast(tree: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in LOW_PRECISION else t, tree)
+
+
+def _floating(tree: Any) -> List[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class PromotedInputs:
+    """Interceptor: per shared entry, whether its lower-precision inputs are upcast to float32 (module's doc)."""
+
+    position = region_call.PROMOTE_INPUTS
+    replaces_compiled = False
+
+    def __init__(self, entries: Iterable[str], on_upcast: Callable[[str], None] = lambda name: None) -> None:
+        self.entries = set(entries)  # the shared entries it decides for; any other entry's calls pass unchanged
+        self.upcast: Dict[str, bool] = {}  # entry key -> decided: upcast its lower-precision inputs
+        self.on_upcast = on_upcast  # told the region's name where an entry's inputs are upcast from now on
+
+    def __call__(self, item: Any, proceed: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        decided = self.upcast.get(item.entry_key)
+        if decided:
+            return proceed(*_upcast(args), **_upcast(kwargs))
+        if decided is not None or item.entry_key not in self.entries:
+            return proceed(*args, **kwargs)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):
+            return proceed(*args, **kwargs)  # decided at the first call under autocast
+        if not any(_low_precision(t) for t in tensors):
+            self.upcast[item.entry_key] = False
+            return proceed(*args, **kwargs)
+        output, equal = self._run_and_compare(item.region.module, args, kwargs)
+        self.upcast[item.entry_key] = equal
+        if equal:
+            log.info("%s: lower-precision inputs upcast to float32 (the block promotes them)", item.region.name)
+            self.on_upcast(item.region.name)
+        return output
+
+    @staticmethod
+    def _run_and_compare(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, bool]:
+        """The call itself (eagerly), and whether the block's forward on upcast inputs gives equal outputs."""
+        devices = sorted({t.device.index or 0 for t in tree_leaves((args, kwargs)) if _is_cuda(t)})
+        before = _random_state(devices)
+        output = compat.call_uncompiled(module, *args, **kwargs)
+        outputs = _floating(output)
+        if not outputs or any(t.dtype != torch.float32 for t in outputs):
+            return output, False
+        after = _random_state(devices)
+        buffers = [(b, b.clone()) for b in module.buffers()]
+        try:
+            _set_random_state(before, devices)
+            with torch.no_grad(), compat.outside_dispatch_modes():
+                again = _floating(module.forward(*_upcast(args), **_upcast(kwargs)))
+        finally:
+            _set_random_state(after, devices)
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+        equal = len(again) == len(outputs) and all(
+            a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(outputs, again)
+        )
+        return output, equal
+
+
+def _is_cuda(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_cuda
+
+
+def _random_state(devices: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_random_state(state: Tuple[torch.Tensor, List[torch.Tensor]], devices: List[int]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    for device, device_state in zip(devices, cuda):
+        torch.cuda.set_rng_state(device_state, device)
