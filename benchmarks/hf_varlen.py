@@ -83,14 +83,12 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
     """A variant's bundled policy and its overrides: ``dynamic@rest=outer@mode=reduce-overhead`` replaces every
     rule's ``rest`` (or ``@action``) and the policy's ``mode``; ``@pad=64`` pads lengths to multiples of 64 (ids 0,
-    labels -100, the mask ``@mask_pad``, default 0; 1 keeps a causal model's mask all ones); ``@switch=0.005`` is a
-    background compile's switch interval (the interpreter's default; the library's is 1e-4)."""
+    labels -100, the mask ``@mask_pad``, default 0; 1 keeps a causal model's mask all ones)."""
     name, overrides = common.split_variant(variant)
-    unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad", "switch"}
+    unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad"}
     if name not in VARIANTS or unknown:
         raise argparse.ArgumentTypeError(
-            f"variant {variant!r}: one of {VARIANTS}, then @action=..., @rest=..., @mode=..., @pad=N, "
-            "@mask_pad=0|1, @switch=S"
+            f"variant {variant!r}: one of {VARIANTS}, then @action=..., @rest=..., @mode=..., @pad=N, @mask_pad=0|1"
         )
     return name, overrides
 
@@ -127,8 +125,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
         shaper = BatchShaper(policy.shapes)
         RegionShapeInterceptors(applied, shaper)
         if policy.background:  # as CompileCallback does: eager steps until the thread's compile is installed
-            switch = {"switch_interval_s": float(changes["switch"])} if "switch" in changes else {}
-            background = BackgroundCompile(applied, **switch)
+            background = BackgroundCompile(applied)
     train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
 
     telemetry = CompileTelemetry(applied).install()  # its callbacks see every compile, lazy backwards included

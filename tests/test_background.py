@@ -1,7 +1,6 @@
 import contextlib
 import copy
 import functools
-import sys
 import threading
 
 import lightning.pytorch as pl
@@ -197,24 +196,3 @@ def test_the_shadow_aliases_parameters_memory_but_not_their_autograd_state():
     for original, alias in zip(originals, aliases):
         assert alias is not original and alias.grad is None and original.grad is not None
         assert alias.data_ptr() == original.data_ptr() and alias.requires_grad == original.requires_grad
-
-
-def test_the_thread_compiles_under_a_short_switch_interval_and_restores_the_usual_one(tiny_gpt):
-    """Each op of an eager step releases the GIL; a short interval bounds how long taking it back waits."""
-    usual = sys.getswitchinterval()
-    applied = apply_policy(Wrapper(tiny_gpt), to_policy("regional_split", backend="aot_eager", background=True))
-    background = BackgroundCompile(applied, switch_interval_s=2e-4)
-    intervals = []
-
-    def record(*args):
-        intervals.append((threading.current_thread().name, sys.getswitchinterval()))
-
-    callback_handler.register_start_callback(record)
-    try:
-        train(tiny_gpt, 3, background, lambda step: step == 2 and background.wait())
-    finally:
-        callback_handler.remove_start_callback(record)
-    assert background.installed and intervals
-    assert {name for name, _ in intervals} == {"compile_trainer-background"}
-    assert all(interval == pytest.approx(2e-4) for _, interval in intervals), intervals
-    assert sys.getswitchinterval() == usual

@@ -30,7 +30,6 @@ Without Lightning::
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -45,12 +44,6 @@ from compile_trainer.compiling.backends import CompiledNotRun, compile_only
 from compile_trainer.compiling.region_call import BACKGROUND
 from compile_trainer.compiling.regions import AppliedPolicy, CompiledRegion
 from compile_trainer.compiling.runtime_checks import background_compile_problem
-
-# While the thread compiles, both threads want the GIL. Every torch op of an eager step releases it, and taking it
-# back waits for the compiling thread to yield, up to the switch interval (5 ms by default) each time: beside a
-# compile, eager GPU steps of a 16-layer Llama took 0.2-9.4 s where 50-75 ms alone (H200, 2026-11-26). A short
-# interval while the thread runs bounds each wait (at the cost of more switches); the usual one is restored after.
-COMPILING_SWITCH_INTERVAL_S = 1e-4
 
 
 class BackgroundCompileError(RuntimeError):
@@ -154,11 +147,9 @@ class BackgroundCompile:
     at every step boundary (before the step): once a call is recorded it starts the thread; once the
     thread is done it installs the compiled regions (or raises ``BackgroundCompileError`` naming the
     region that failed). ``close()`` waits for a running thread.
-
-    ``switch_interval_s``: the interpreter's switch interval while the thread compiles (None: leave it).
     """
 
-    def __init__(self, applied: AppliedPolicy, switch_interval_s: Optional[float] = COMPILING_SWITCH_INTERVAL_S):
+    def __init__(self, applied: AppliedPolicy):
         problem = background_compile_problem()
         if problem:
             raise RuntimeError(f"background compile {problem}")
@@ -173,7 +164,6 @@ class BackgroundCompile:
         self._thread: Optional[threading.Thread] = None
         self._failure: Optional[Tuple[str, BaseException]] = None
         self._recorder = _RecordAndRunEagerly(self)
-        self._switch_interval_s = switch_interval_s
         applied.interceptors.add(self._recorder)
         if any(item.compile_kwargs["backend"] == "inductor" for item in applied.compiled):
             compat.warm_compile_workers()  # ready by the time the thread lowers its first graph
@@ -233,9 +223,6 @@ class BackgroundCompile:
     def _compile(self) -> None:
         started = time.perf_counter()
         name = "?"
-        usual_interval = sys.getswitchinterval()
-        if self._switch_interval_s is not None:
-            sys.setswitchinterval(min(usual_interval, self._switch_interval_s))
         try:
             # Compile backward graphs now, on this thread: lazily, they would compile inside the first real
             # backward, on the autograd engine's thread, stalling training for seconds.
@@ -246,8 +233,6 @@ class BackgroundCompile:
                     recorded.module, recorded.args, recorded.kwargs = None, (), {}  # free the copies
         except BaseException as error:  # noqa: BLE001 - reported on the training thread by poll()
             self._failure = (name, error)
-        finally:
-            sys.setswitchinterval(usual_interval)
         self.compile_seconds = time.perf_counter() - started
 
     def _install(self, now: float) -> None:
