@@ -75,7 +75,7 @@ def parse(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = 
     argv = sys.argv[1:] if argv is None else argv
     parser = arguments(doc, benchmark.name, benchmark.smoke_help, **benchmark.shared)
     parser.add_argument("--append", action="store_true", help="keep --out's rows of runs not run now")
-    hidden(parser, "--worker", type=json.loads)
+    parser.add_argument("--worker", type=json.loads, help=argparse.SUPPRESS)  # the run a worker measures
     for flag, options in benchmark.options.items():
         parser.add_argument(flag, **options)
     if "--smoke" in argv:
@@ -165,21 +165,6 @@ def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny
         kind, help_text = SHARED_FLAGS[key]
         parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
     return parser
-
-
-def flags(**values: Any) -> List[str]:
-    """A worker's command line: ``--key value`` per value, ``--key`` alone for True, nothing for None or False."""
-    command: List[str] = []
-    for key, value in values.items():
-        if value is not None and value is not False:
-            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    return command
-
-
-def hidden(parser: Any, *names: str, **options: Any) -> None:
-    """Flags only the harness passes (a worker's variant, phase or model)."""
-    for flag in names:
-        parser.add_argument(flag, help=argparse.SUPPRESS, **options)
 
 
 def device_for(smoke: bool) -> torch.device:
@@ -299,28 +284,19 @@ class StepTimer:
 
 
 def time_steps(
-    device: torch.device,
-    step: Callable[[int], None],
-    steps: int,
-    start: int = 0,
-    outer: Sequence[Any] = (),
-    inner: Sequence[Any] = (),
+    device: torch.device, step: Callable[[int], None], steps: int, start: int = 0, outer: Sequence[Any] = ()
 ) -> Dict[str, float]:
     """``step(index)`` for ``steps`` indices from ``start``, each timed, and the window's wall time between two
-    device syncs; recorders (``start()``/``stop()``) run around it, ``outer`` outside the syncs, ``inner`` inside."""
+    device syncs; recorders in ``outer`` (``start()``/``stop()``) run around it."""
     for recorder in outer:
         recorder.start()
     timer = StepTimer(device)
     synchronize(device)
     window_start = time.perf_counter()
-    for recorder in inner:
-        recorder.start()
     for index in range(start, start + steps):
         started = timer.start()
         step(index)
         timer.stop(started)
-    for recorder in reversed(inner):
-        recorder.stop()
     synchronize(device)
     window_s = time.perf_counter() - window_start
     for recorder in reversed(outer):

@@ -203,7 +203,8 @@ def train(spec, run, applied, mark_step, optimizer, batches, args, device, telem
     """The first step (timed alone), the warm-up, the timed steps; what the compiler did meanwhile."""
     from torch._dynamo.utils import counters, get_compilation_metrics
 
-    training_step = common.training_step(optimizer, partial(loss_of, spec.family, run), device, applied, mark_step)
+    loss = partial(loss_of, spec.family, run)
+    training_step = common.training_step(optimizer, loss, device, applied, mark_step=mark_step)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
