@@ -110,8 +110,9 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     torch.manual_seed(0)
     module = lightning_module(args, callback)
     strategies = {"ddp": DDPStrategy, "fsdp2": lambda: ModelParallelStrategy(args.gpus, tensor_parallel_size=1)}
+    strategy = strategies.get(args.strategy, lambda: "auto")()
     trainer = common.quiet_trainer(
-        torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategies.get(args.strategy, lambda: "auto")(),
+        torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy,
         max_steps=args.steps, callbacks=[callback], precision="bf16-mixed" if on_gpu else "32-true",
         use_distributed_sampler=False,
     )  # fmt: skip

@@ -57,7 +57,7 @@ def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]
     for _ in range(args.steps):
         length = rng.randint(args.min_length, args.max_length)
         ids = torch.randint(1, vocab, (args.batch_size, length), generator=generator)
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
     return batches
 
 

@@ -258,9 +258,8 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     from compile_trainer.lightning.callback import CompileCallback
 
     class StepClock(pl.Callback):
-        """Times ``args.steps`` steps after ``args.warmup``, counted from the first step (or, with a background
-        compile, from the first step that runs compiled), then the host time of ``args.host_steps`` steps, then
-        stops the Trainer."""
+        """``args.steps`` timed steps after ``args.warmup`` (counted from the first step that runs compiled), then
+        the host time of ``args.host_steps`` steps; then stops the Trainer."""
 
         def __init__(self):
             self.timer, self.host_timer, self.collections = StepTimer(device), common.HostTimer(device), GcRecorder()
