@@ -1,10 +1,8 @@
-"""The benchmarks' harness: fresh-process variants, the variant syntax, step timing, the result file and its table.
-
-A benchmark script holds its models (``benchmarks/models.py``), its variants and a function that measures one; this
-module gives it its command line (``arguments``), a fresh process with empty compile caches per variant
-(``run_fresh`` / ``fresh_row``, ``worker`` in that process), step timing (``StepTimer``, ``time_steps``,
-``first_warm_timed``; ``repeated``: medians over repeats), the result file (``write_result``) and its table
-(``print_table``, ``add_ratio``). Importable without hydra, omegaconf or wandb (the GPU image has none).
+"""The benchmarks' harness. A script declares a ``Benchmark`` (its runs, the flags it adds, how to measure one run,
+its ratios and notes) and calls ``main``: each run in a fresh process with empty Inductor/Triton caches (``run_fresh``;
+``worker`` in that process) or in this process with the compiler state reset, the result file (``write_result``)
+written after each run, the table (``print_table``) at the end. Also step timing (``StepTimer``, ``time_steps``,
+``first_warm_timed``). Importable without hydra, omegaconf or wandb (the GPU image has none).
 """
 
 from __future__ import annotations
@@ -22,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,7 +31,7 @@ from compile_trainer.tables import text_table
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 LIBRARIES = ("lightning", "transformers", "timm", "accelerate")  # versions read from metadata, not imported
-
+Rows = List[Dict[str, Any]]
 
 # The flags several benchmarks share: their type and help (a benchmark gives the default).
 SHARED_FLAGS = {
@@ -41,7 +40,117 @@ SHARED_FLAGS = {
     "backend": (str, "compile backend"),
     "timeout": (int, "seconds a variant may take"),
     "variant_timeout": (int, "seconds a variant may take"),
+    "repeats": (int, "fresh processes per variant (medians and spread)"),
 }
+
+
+@dataclass
+class Benchmark:
+    """What a benchmark script declares. ``runs(args)``: one dict per run, its fields the row's first columns and,
+    in the worker, attributes of ``args`` (a ``_name`` field goes to the worker only; ``_timeout`` and ``_caches``
+    also set the run's timeout and its Inductor/Triton cache folder); ``measure(args)``: the run's row (None: write
+    nothing, a distributed job's other ranks); ``finish(rows, args)``: ratios across rows; ``skip(run, args)``: why
+    a run cannot run (an error row). ``key``: the fields that name a row (``--append`` keeps the others' rows)."""
+
+    name: str
+    title: str
+    columns: List[str]
+    runs: Callable[[Any], Rows]
+    measure: Callable[[Any], Optional[Dict[str, Any]]]
+    shared: Dict[str, Any] = field(default_factory=dict)
+    options: Dict[str, Dict[str, Any]] = field(default_factory=dict)  # flag: argparse keywords
+    smoke: Dict[str, Any] = field(default_factory=dict)  # defaults under --smoke
+    finish: Callable[[Rows, Any], Any] = lambda rows, args: rows
+    notes: Callable[[Any, Rows], List[str]] = lambda args, rows: []
+    skip: Callable[[Dict[str, Any], Any], Optional[str]] = lambda run, args: None
+    in_process: Union[bool, Callable[[Any], bool]] = False
+    key: Tuple[str, ...] = ("variant",)
+    timed: Tuple[str, ...] = ()  # what --repeats reports as medians
+    baseline: Optional[str] = None  # what the ratio columns divide by, said under the table
+    smoke_help: str = "tiny models on the CPU"
+
+
+def parse(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = None) -> Any:
+    """The benchmark's command line: the harness's flags, the shared ones it names, its own."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = arguments(doc, benchmark.name, benchmark.smoke_help, **benchmark.shared)
+    parser.add_argument("--append", action="store_true", help="keep --out's rows of runs not run now")
+    parser.add_argument("--worker", type=json.loads, help=argparse.SUPPRESS)  # the run a worker measures
+    for flag, options in benchmark.options.items():
+        parser.add_argument(flag, **options)
+    if "--smoke" in argv:
+        parser.set_defaults(**benchmark.smoke)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def main(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = None) -> Optional[Rows]:
+    """Run the benchmark as its command line says; a worker process measures its one run."""
+    args = parse(benchmark, doc, argv)
+    if args.worker is not None:
+        run_args(args, args.worker)
+        return worker(args.worker_out, lambda: benchmark.measure(args), timeout_of(args))
+    timeout = timeout_of(args) or 600
+    in_process = benchmark.in_process(args) if callable(benchmark.in_process) else benchmark.in_process
+    meta = environment() | {"isolation": "one process, compiler state reset per run" if in_process else "fresh process"}
+    rows, notes, named = [], [], lambda row: tuple(row.get(key) for key in benchmark.key)
+    args.started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=f"{benchmark.name}-", ignore_cleanup_errors=True) as scratch:
+        args.scratch = Path(scratch)
+        runs = benchmark.runs(args)
+        if args.append and args.out.exists():
+            old = json.loads(args.out.read_text())
+            again = {named(public(run)) for run in runs}
+            rows, notes = [row for row in old["rows"] if named(row) not in again], old["notes"]
+            meta["command"] = f"{old['meta'].get('command')} && {meta['command']}"
+        for run in runs:
+            row = public(run) | measure_run(benchmark, run, args, in_process, timeout)
+            rows.append(row)
+            print(f"{' '.join(map(str, named(row)))}: {json.dumps(row)[:300]}", flush=True)
+            rows[:] = benchmark.finish(
+                rows, args
+            )  # and the file written after each run: a run cut short keeps its rows
+            notes += [note for note in benchmark.notes(args, rows) if note not in notes]
+            write_result(args.out, benchmark.name, benchmark.title, benchmark.columns, rows, notes, meta)
+    print_table(benchmark.columns, rows, benchmark.baseline)
+    print("\n".join(notes))
+    return rows
+
+
+def timeout_of(args: Any) -> Optional[float]:
+    return getattr(args, "timeout", None) or getattr(args, "variant_timeout", None)
+
+
+def public(run: Dict[str, Any]) -> Dict[str, Any]:
+    return {key: value for key, value in run.items() if not key.startswith("_")}
+
+
+def run_args(args: Any, run: Dict[str, Any]) -> Any:
+    """``args`` with the run's fields set (``_name`` as ``name``, after the public ones)."""
+    for key, value in sorted(run.items(), key=lambda item: item[0].startswith("_")):
+        setattr(args, key.lstrip("_"), value)
+    return args
+
+
+def measure_run(benchmark: Benchmark, run: Dict[str, Any], args: Any, in_process: bool, timeout: float) -> Dict:
+    why_not = benchmark.skip(run, args)
+    if why_not:
+        return {"error": why_not}
+    if in_process:
+        try:
+            with fresh_compiler_state():
+                return benchmark.measure(run_args(argparse.Namespace(**vars(args)), run)) or {}
+        except Exception as error:  # one run's failure is its row, not the end of the benchmark
+            return {"error": f"{type(error).__name__}: {error}".strip()[:400]}
+    command = [*args.argv, "--worker", json.dumps(run, default=str)]
+    log = args.out.with_name(f"{args.out.stem}.errors.log")
+    timeout = run.get("_timeout") or timeout
+    results = [
+        fresh_row(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log)
+        for _ in range(getattr(args, "repeats", None) or 1)
+    ]
+    return repeated(results, benchmark.timed)
 
 
 def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU", **shared) -> Any:
@@ -56,21 +165,6 @@ def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny
         kind, help_text = SHARED_FLAGS[key]
         parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
     return parser
-
-
-def flags(**values: Any) -> List[str]:
-    """A worker's command line: ``--key value`` per value, ``--key`` alone for True, nothing for None or False."""
-    command: List[str] = []
-    for key, value in values.items():
-        if value is not None and value is not False:
-            command += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
-    return command
-
-
-def hidden(parser: Any, *names: str, **options: Any) -> None:
-    """Flags only the harness passes (a worker's variant, phase or model)."""
-    for flag in names:
-        parser.add_argument(flag, help=argparse.SUPPRESS, **options)
 
 
 def device_for(smoke: bool) -> torch.device:
@@ -190,28 +284,19 @@ class StepTimer:
 
 
 def time_steps(
-    device: torch.device,
-    step: Callable[[int], None],
-    steps: int,
-    start: int = 0,
-    outer: Sequence[Any] = (),
-    inner: Sequence[Any] = (),
+    device: torch.device, step: Callable[[int], None], steps: int, start: int = 0, outer: Sequence[Any] = ()
 ) -> Dict[str, float]:
     """``step(index)`` for ``steps`` indices from ``start``, each timed, and the window's wall time between two
-    device syncs; recorders (``start()``/``stop()``) run around it, ``outer`` outside the syncs, ``inner`` inside."""
+    device syncs; recorders in ``outer`` (``start()``/``stop()``) run around it."""
     for recorder in outer:
         recorder.start()
     timer = StepTimer(device)
     synchronize(device)
     window_start = time.perf_counter()
-    for recorder in inner:
-        recorder.start()
     for index in range(start, start + steps):
         started = timer.start()
         step(index)
         timer.stop(started)
-    for recorder in reversed(inner):
-        recorder.stop()
     synchronize(device)
     window_s = time.perf_counter() - window_start
     for recorder in reversed(outer):
@@ -487,4 +572,6 @@ def worker(out: Path, measure: Callable[[], Any], timeout: Optional[float] = Non
     faulthandler.enable(all_threads=True)
     if timeout:
         faulthandler.dump_traceback_later(max(timeout - 10, 5), exit=True)
-    Path(out).write_text(json.dumps(measure()))
+    result = measure()
+    if result is not None:
+        Path(out).write_text(json.dumps(result))

@@ -4,10 +4,9 @@ Per model and policy, phases each in a fresh process: ``cold`` (empty Inductor/T
 precompiled artifacts, writes the bundle after step 3, trains 2 more steps), ``cold_no_cache`` (the cache off: the
 base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
 ``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (mega-cache and cache
-directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager``. ``first_step_s``: from
-before the bundle's load to the end of the first step (``load_s`` + ``compile_s`` + ``run_s``; ``startup_s`` and
-``compiler_import_s`` apart). The recipe's ``gpt2_small`` and the HF Llama, 8 x 1024 tokens, bf16, fused AdamW;
-``regional`` and ``full`` (reduce-overhead). GPU run (about 6 minutes on an H100; or in two with ``--append``):
+directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager``. The recipe's ``gpt2_small``
+and the HF Llama, 8 x 1024 tokens, bf16, fused AdamW; ``regional`` and ``full`` (reduce-overhead). GPU run (about 6
+minutes on an H100; or in two with ``--append``):
 
     python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
     python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
@@ -22,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -53,7 +50,7 @@ POLICY_OVERRIDES = {"full": {"mode": "reduce-overhead"}}
 STEPS = 3
 COLUMNS = """model policy phase first_step_s vs_cold vs_full_cold load_s compile_s dynamo_s backend_s run_s cache
 fx_graph_hit_miss precompiled_hit_miss capture_s bundle_mb save_s startup_s compiler_import_s
-loss_rel_diff_vs_cold""".split()
+loss_rel_diff_vs_cold error""".split()
 
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
@@ -166,9 +163,15 @@ def compile_phases() -> Tuple[float, float]:
     return dynamo, backend
 
 
-def with_full_cold_ratio(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """``vs_full_cold`` on each row: its first step over the ``full`` cold compile of its model without the cache
-    (``cold_no_cache``; ``cold``'s when that phase was not run): the goal's base."""
+def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """``vs_cold`` against the same model and policy's cold phase; ``vs_full_cold``: the first step over the ``full``
+    cold compile of its model without the cache (``cold_no_cache``; ``cold``'s when that phase was not run)."""
+    cold = {(r["model"], r["policy"]): r for r in rows if r["phase"] == "cold" and "first_step_s" in r}
+    for row in rows:
+        base = cold.get((row["model"], row["policy"]))
+        if base and "first_step_s" in row:
+            row["vs_cold"] = row["first_step_s"] / base["first_step_s"]
+            row["loss_rel_diff_vs_cold"] = common.rel_diff(row["losses"], base["losses"])
     no_cache = {
         r["model"] for r in rows if (r["policy"], r["phase"]) == ("full", "cold_no_cache") and "first_step_s" in r
     }
@@ -180,27 +183,33 @@ def with_full_cold_ratio(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def launch(args: argparse.Namespace, model: str, policy: str, phase: str, machine: Path, cache_dir: str) -> Dict:
-    """``phase`` in a fresh process whose Inductor and Triton caches are ``machine``'s."""
-    command = common.flags(phase=phase, model=model, policy=policy, cache_dir=cache_dir, smoke=args.smoke)
-    result = common.fresh_row(__file__, command, args.timeout, caches=machine)
-    return {"cache": f"failed: {result['error']}"} if "error" in result else result
+def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Each model and policy's phases, cold first; a phase's Inductor and Triton caches are its machine's (the
+    cold phase's for same_machine), its bundles in ``--cache-dir``."""
+    cache_dir = args.cache_dir or str(args.scratch / "bundles")
+    return [
+        {"model": model, "policy": policy, "phase": phase, "_cache_dir": cache_dir}
+        | {"_caches": args.scratch / f"{model}_{policy}_{'cold' if phase == 'same_machine' else phase}"}
+        for model, policy in itertools.product(args.models, args.policies)
+        for phase in ["cold", *(p for p in args.phases if p != "cold")]
+    ]
 
 
-def main() -> None:
-    parser = common.arguments(__doc__.split("\n")[0], "compile_cache", "tiny models on the CPU", timeout=240)
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first")
-    parser.add_argument("--cache-dir", help="where bundles go (a directory or an fsspec URL); default: a temp dir")
-    parser.add_argument("--append", action="store_true", help="add the rows to --out's (a run split in two)")
-    common.hidden(parser, "--phase", choices=PHASES)
-    common.hidden(parser, "--model", "--policy")
-    args = parser.parse_args()
-    if args.phase:
-        return common.worker(args.worker_out, lambda: run_phase(args), args.timeout)
-
-    notes = [
+BENCHMARK = common.Benchmark(
+    name="compile_cache",
+    title="Compile cache: cold vs same machine vs new machine",
+    columns=COLUMNS,
+    runs=runs,
+    measure=run_phase,
+    shared=dict(timeout=240),
+    options={
+        "--models": dict(nargs="+", choices=MODELS, default=list(MODELS)),
+        "--policies": dict(nargs="+", choices=POLICIES, default=list(POLICIES)),
+        "--phases": dict(nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first"),
+        "--cache-dir": dict(help="where bundles go (a directory or an fsspec URL); default: a temp dir"),
+    },
+    finish=finish,
+    notes=lambda args, rows: [
         "Each phase a fresh process; first_step_s counts the bundle's load, the compile and the first step "
         "(forward, backward, optimizer); startup_s (imports, model construction) is not counted.",
         "new_machine*: empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, the bundle the cold phase wrote; "
@@ -208,32 +217,10 @@ def main() -> None:
         "full runs with mode reduce-overhead (CUDA graphs), like regional.",
         "precompiled_hit_miss: region calls served by a precompiled artifact / calls that compiled; capture_s: the "
         "cold phase's captures after its steps (aot_compile of each region call that compiled; not in first_step_s).",
-    ]
-    earlier = json.loads(args.out.read_text())["rows"] if args.append and args.out.exists() else []
-    title = "Compile cache: cold vs same machine vs new machine"
-    rows: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="compile_cache_bench_", ignore_cleanup_errors=True) as folder:
-        for model, policy in itertools.product(args.models, args.policies):
-            cache_dir = args.cache_dir or f"{folder}/bundles"
-            cold: Dict[str, Any] = {}
-            for phase in ["cold", *(p for p in args.phases if p != "cold")]:
-                machine = Path(folder) / f"{model}_{policy}_{'cold' if phase in ('cold', 'same_machine') else phase}"
-                result = launch(args, model, policy, phase, machine, cache_dir)
-                cold = result if phase == "cold" else cold
-                row = {"model": model, "policy": policy, "phase": phase, **result}
-                if "first_step_s" in result and "first_step_s" in cold:
-                    row["vs_cold"] = result["first_step_s"] / cold["first_step_s"]
-                    row["loss_rel_diff_vs_cold"] = common.rel_diff(result["losses"], cold["losses"])
-                rows.append(row)
-                print(common.format_table(COLUMNS, [row]).splitlines()[-1], flush=True)
-                # after each phase: a run cut short keeps what it measured
-                common.write_result(
-                    args.out, "compile_cache", title, COLUMNS, with_full_cold_ratio(earlier + rows), notes
-                )
-    baseline = "cold (vs_cold), full's cold compile (vs_full_cold)"
-    common.print_table(COLUMNS, with_full_cold_ratio(earlier + rows), baseline=baseline)
-    print(f"wrote {args.out}")
-
+    ],
+    key=("model", "policy", "phase"),
+    baseline="cold (vs_cold), full's cold compile (vs_full_cold)",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__.split("\n")[0])

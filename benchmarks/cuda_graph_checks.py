@@ -25,7 +25,6 @@ from recipes.gpt import GPTConfig, LanguageModel  # noqa: E402
 
 MODEL = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128)
 SMOKE = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
-COLUMNS = ["check", "how", "accumulate", "max_loss_rel_diff", "max_weight_rel_diff", "ok", "error"]
 
 
 def make_batches(config: GPTConfig, count: int, device: torch.device) -> List[torch.Tensor]:
@@ -93,41 +92,51 @@ def compare(result: Dict[str, Any], reference: Dict[str, Any]) -> Dict[str, Any]
     return {"max_loss_rel_diff": losses, "max_weight_rel_diff": weights, "ok": losses < 1e-3 and weights < 1e-3}
 
 
-def run(train, **kwargs) -> Dict[str, Any]:
-    torch._dynamo.reset()
-    try:
-        return train(**kwargs)
-    except Exception as error:  # a refusal is a finding: PyTorch raises on an overwritten CUDA-graph output
-        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+LOOPS = {"raw": train_raw, "lightning": train_lightning}
+CHECKS = [  # how, the loop, its arguments
+    ("raw loop, no gradient copies", "raw", {}),
+    ("raw loop, copy_cuda_graph_gradients", "raw", {"copies": True}),
+    ("Lightning + CompileCallback", "lightning", {}),
+]
+EAGER: Dict[Any, Dict[str, Any]] = {}  # (loop, accumulate): eager training's losses and weights
 
 
-def main() -> None:
-    parser = common.arguments(__doc__, "cuda_graph_checks", "tiny model on the CPU", steps=4)
-    args = parser.parse_args()
+def measure(args) -> Dict[str, Any]:
+    """The run's loop under ``regional`` against the same loop eagerly."""
     from compile_trainer.schema import to_policy
 
-    device = common.device_for(args.smoke)
-    config = SMOKE if args.smoke else MODEL
+    device, config = common.device_for(args.smoke), SMOKE if args.smoke else MODEL
     policy = to_policy("regional", backend="aot_eager" if args.smoke else "inductor")
-    checks = [  # how, the loop, its arguments
-        ("raw loop, no gradient copies", train_raw, {}),
-        ("raw loop, copy_cuda_graph_gradients", train_raw, {"copies": True}),
-        ("Lightning + CompileCallback", train_lightning, {}),
-    ]
-    rows = []
-    for accumulate in (1, 2):
-        settings = {"config": config, "device": device, "steps": args.steps, "accumulate": accumulate}
-        eager = {loop: run(loop, policy=None, **settings) for loop in (train_raw, train_lightning)}
-        for how, loop, extra in checks:
-            result = run(loop, policy=policy, **settings, **extra)
-            row = {"check": "regional (CUDA graphs) vs eager", "how": how, "accumulate": accumulate}
-            rows.append(row | (compare(result, eager[loop]) if "error" not in result else result | {"ok": False}))
-    notes = [f"{config}; {args.steps} optimizer steps; device {device}; fp32"]
-    common.write_result(
-        args.out, "cuda_graph_checks", "CUDA graphs with gradient accumulation vs eager", COLUMNS, rows, notes
-    )
-    common.print_table(COLUMNS, rows, baseline="eager (max_*_rel_diff)")
+    settings = {"config": config, "device": device, "steps": args.steps, "accumulate": args.accumulate}
+    train = LOOPS[args.loop]
+    if (args.loop, args.accumulate) not in EAGER:
+        EAGER[args.loop, args.accumulate] = train(policy=None, **settings)
+        torch._dynamo.reset()
+    try:
+        result = train(policy=policy, **settings, **args.extra)
+    except Exception as error:  # a refusal is a finding: PyTorch raises on an overwritten CUDA-graph output
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", "ok": False}
+    return compare(result, EAGER[args.loop, args.accumulate])
 
+
+BENCHMARK = common.Benchmark(
+    name="cuda_graph_checks",
+    title="CUDA graphs with gradient accumulation vs eager",
+    columns=["check", "how", "accumulate", "max_loss_rel_diff", "max_weight_rel_diff", "ok", "error"],
+    runs=lambda args: [
+        {"check": "regional (CUDA graphs) vs eager", "how": how, "accumulate": accumulate, "_loop": loop}
+        | {"_extra": extra}
+        for accumulate in (1, 2)
+        for how, loop, extra in CHECKS
+    ],
+    measure=measure,
+    shared=dict(steps=4),
+    smoke_help="tiny model on the CPU",
+    notes=lambda args, rows: [f"{SMOKE if args.smoke else MODEL}; {args.steps} optimizer steps; fp32"],
+    in_process=True,
+    key=("how", "accumulate"),
+    baseline="eager (max_*_rel_diff)",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__)

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from benchmarks.common import synchronize  # noqa: E402
 from benchmarks.models import GPT2_SMALL  # noqa: E402
-from compile_trainer import compat  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.schema import CompilePolicy, DynamicDim, Padding, Rule, ShapesPolicy, validate_policy  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
@@ -43,7 +42,7 @@ from recipes.gpt import GPT, GPTConfig  # noqa: E402
 GPT2_SMALL_6 = replace(GPT2_SMALL, n_layer=6)
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 VARIANTS = ["plain", "dynamic", "buckets", "regional_dynamic", "regional_buckets"]
-COLUMNS = ["variant", "total_s", "graphs", "recompiles", "compile_s", "steady_step_ms", "tokens_per_s", "padding"]
+COLUMNS = "variant total_s graphs recompiles compile_s steady_step_ms tokens_per_s padding speedup_vs_plain".split()
 
 
 def length_stream(steps: int, low: int, high: int, seed: int) -> List[int]:
@@ -80,8 +79,8 @@ def compiled_forward(variant: str, model: GPT, shaper: BatchShaper, backend: str
     return model
 
 
-def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
-    torch._dynamo.reset()
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
+    variant, config, device = args.variant, SMOKE if args.smoke else GPT2_SMALL_6, common.device_for(args.smoke)
     torch.manual_seed(0)
     model = GPT(config).to(device)
     fused = device.type == "cuda"
@@ -90,8 +89,6 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
     forward = compiled_forward(variant, model, shaper, args.backend, device)
     train = common.training_step(optimizer, lambda batch: forward(batch.inputs, batch.targets)[1], device)
     lengths = length_stream(args.steps, args.min_length, args.max_length, args.seed)
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    torch._dynamo.utils.clear_compilation_metrics()
     step_seconds, real_tokens, padded_tokens = [], 0, 0
     synchronize(device)
     started = time.perf_counter()
@@ -110,7 +107,7 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
     return {
         "variant": variant,
         "total_s": total,
-        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "recompiles": len(recompiles),
         "compile_s": sum(common.frame_compile_seconds(m) for m in metrics),
         "steady_step_ms": 1e3 * statistics.median(steady),
@@ -121,46 +118,51 @@ def run_variant(variant: str, args: argparse.Namespace, config: GPTConfig, devic
     }
 
 
-def main(argv: List[str] = None) -> Dict[str, Any]:
-    smoke = "tiny model on the CPU (aot_eager), for CI"
-    parser = common.arguments(__doc__.splitlines()[0], "dynamic_shapes", smoke, steps=60, backend="inductor")
-    parser.add_argument("--variants", default="plain,dynamic,buckets")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--min-length", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--buckets", type=lambda text: [int(x) for x in text.split(",")], default=[128, 256, 512, 1024])
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+def variant_list(text: str) -> List[str]:
+    unknown = [v for v in text.split(",") if v not in VARIANTS]
     if unknown:
-        parser.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
-    config = GPT2_SMALL_6
-    if args.smoke:
-        config = SMOKE
-        args.steps, args.batch_size, args.min_length, args.max_length = 6, 2, 8, 64
-        args.buckets, args.backend = [32, 64], "aot_eager"
-    device = common.device_for(args.smoke)
-    notes = [
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
+    return text.split(",")
+
+
+def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
+    config = SMOKE if args.smoke else GPT2_SMALL_6
+    return [
         f"{args.steps} steps, batch {args.batch_size}, lengths uniform in {args.min_length}..{args.max_length} "
         f"(seed {args.seed}), {config.n_layer} layers, d={config.n_embd}, vocab {config.vocab_size}, "
         f"backend {args.backend}, buckets {args.buckets}",
         "total_s: the whole stream, compiles included; steady_step_ms: median of the faster half of the steps; "
         "tokens_per_s: real (unpadded) tokens over total_s; padding: padded / real tokens - 1",
     ]
-    columns = COLUMNS + ["speedup_vs_plain"]
-    rows = []
-    for variant in variants:
-        with compat.fresh_inductor_cache():
-            rows.append(run_variant(variant, args, config, device))
-        print(f"{variant}: {rows[-1]['total_s']:.1f} s, {rows[-1]['graphs']} graphs", flush=True)
-        common.add_ratio(rows, "speedup_vs_plain", "total_s", lambda row: row["variant"] == "plain", inverse=True)
-        # written after every variant, so a run cut short still leaves what it measured
-        title = "Variable sequence lengths: plain vs dynamic vs buckets"
-        common.write_result(args.out, "dynamic_shapes", title, columns, rows, notes)
-    common.print_table(columns, rows, baseline="plain")
-    return {"rows": rows}
 
+
+def speedup(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    common.add_ratio(rows, "speedup_vs_plain", "total_s", lambda row: row["variant"] == "plain", inverse=True)
+    return rows
+
+
+BENCHMARK = common.Benchmark(
+    name="dynamic_shapes",
+    title="Variable sequence lengths: plain vs dynamic vs buckets",
+    columns=COLUMNS,
+    runs=lambda args: [{"variant": variant} for variant in args.variants],
+    measure=measure,
+    shared=dict(steps=60, backend="inductor"),
+    options={
+        "--variants": dict(type=variant_list, default="plain,dynamic,buckets"),
+        "--batch-size": dict(type=int, default=8),
+        "--min-length": dict(type=int, default=64),
+        "--max-length": dict(type=int, default=1024),
+        "--buckets": dict(type=lambda text: [int(x) for x in text.split(",")], default=[128, 256, 512, 1024]),
+        "--seed": dict(type=int, default=0),
+    },
+    smoke=dict(steps=6, batch_size=2, min_length=8, max_length=64, buckets=[32, 64], backend="aot_eager"),
+    smoke_help="tiny model on the CPU (aot_eager), for CI",
+    finish=speedup,
+    notes=notes,
+    in_process=True,
+    baseline="plain",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__.splitlines()[0])

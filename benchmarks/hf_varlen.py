@@ -1,12 +1,11 @@
 """Variable-length batches on a Hugging Face Llama: plain ``torch.compile`` vs the bundled shape policies.
 
-``--steps`` batches of 8 rows, each of one length drawn uniformly from 64..1024 (seeded; ``--rows ragged``: rows
-after the first shorter, padded at the end as a collator pads them). ``real_models.py``'s Llama, bf16 autocast,
-fused AdamW; each variant a fresh process with empty compile caches; total time counts every compile and warm-up.
+``--steps`` batches of 8 rows, each of one length drawn uniformly from 64..1024 (seeded). ``real_models.py``'s
+Llama, bf16 autocast, fused AdamW; each variant a fresh process with empty compile caches; total time counts every
+compile and warm-up.
 
     python benchmarks/hf_varlen.py                       # GPU: every variant, benchmarks/results/hf_varlen.json
     python benchmarks/hf_varlen.py --smoke --out /tmp/x  # CPU, tiny model, aot_eager
-    python benchmarks/hf_varlen.py --variants dynamic --steps 40 --profile 3 --out /tmp/x  # where a step's time goes
 
 Variants: ``plain`` (``torch.compile(model)``), the bundled policies ``dynamic``, ``dynamic_full`` (one dynamic
 graph, lengths padded to multiples of 64), ``dynamic_full_background`` (compiled on a thread while the first steps
@@ -44,10 +43,6 @@ from compile_trainer.telemetry.compile_events import WARMUP_PHASE, CompileTeleme
 
 VARIANTS = ["plain", "dynamic", "dynamic_full", "dynamic_full_background", "buckets", "buckets_auto", "fixed_length"]
 FIXED_BUCKETS = [128, 256, 512, 1024]
-ROWS = {
-    "equal": "every row of a batch of its length",
-    "ragged": "rows after the first shorter, padded at the end (collator padding in every variant)",
-}
 COLUMNS = [
     "variant", "first_step_s", "total_s", "vs_plain_total", "vs_plain_total_at_most", "compile_s", "warmup_s",
     "steady_real_tokens_per_s", "vs_fixed_length", "synced_steady_real_tokens_per_s", "steady_compiles", "graphs",
@@ -62,12 +57,7 @@ def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]
     for _ in range(args.steps):
         length = rng.randint(args.min_length, args.max_length)
         ids = torch.randint(1, vocab, (args.batch_size, length), generator=generator)
-        mask = torch.ones_like(ids)
-        for row in range(1, args.batch_size if args.rows == "ragged" else 1):
-            mask[row, rng.randint(length // 2, length) :] = 0
-        ids = ids * mask
-        labels = ids.masked_fill(mask == 0, -100)
-        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
     return batches
 
 
@@ -177,16 +167,6 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     again = [b for b, (length, *_) in zip(batches, step_ms) if not cuda_graphs or occurrences[length] >= 2]
     before = telemetry.compile_count
     steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
-    if args.profile:
-        tail = batches[-args.profile :]
-        profile_steps(f"{variant} seen lengths", tail, shaper, train_step, device, args)
-        if shaper is not None:  # a policy's new length: what compiled code does with it (plain would recompile)
-            unseen = [
-                {k: v[:, : v.shape[1] - 1].contiguous() for k, v in b.items()}
-                for b in tail
-                if b["input_ids"].shape[1] - 1 not in occurrences
-            ]
-            profile_steps(f"{variant} new lengths", unseen, shaper, train_step, device, args)
     telemetry.collect()
     telemetry.uninstall()
     metrics = list(compat.compilation_metrics())
@@ -232,32 +212,6 @@ def steady_pass(batches, shaper, train_step, device) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-def profile_steps(variant, batches, shaper, train_step, device, args) -> None:
-    """Profile ``batches`` and write where the time went: the top ops by GPU time and by host time, and the
-    kernels per step (``<out>_profile_<what>.txt``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as profiler:
-        for batch in batches:
-            batch = {k: v.to(device) for k, v in batch.items()}
-            train_step(shaper(batch) if shaper is not None else batch)
-        synchronize(device)
-    events = profiler.key_averages()
-    device_sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
-    lengths = [int(b["input_ids"].shape[1]) for b in batches]
-    text = [
-        f"{variant}: {len(batches)} steps of lengths {lengths}; {kernels / len(batches):.0f} GPU kernels per step",
-        events.table(sort_by=device_sort, row_limit=25),
-        events.table(sort_by="self_cpu_time_total", row_limit=25),
-    ]
-    name = "".join(c if c.isalnum() else "_" for c in variant)  # a plain file name
-    path = args.out.parent / f"{args.out.stem}_profile_{name}.txt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(text))
-
-
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """Against plain's total (or, where plain timed out, the seconds it ran) and fixed_length's steady tokens/s."""
     common.add_ratio(rows, "vs_plain_total", "total_s", lambda row: row["variant"] == "plain")
@@ -268,60 +222,66 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
     common.add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", lambda row: row["variant"] == "fixed_length")
 
 
-def main() -> None:
-    smoke = "tiny Llama on the CPU, aot_eager, 8 steps"
-    parser = common.arguments(
-        __doc__.splitlines()[0], "hf_varlen", smoke, steps=200, backend="inductor", variant_timeout=240
-    )
-    parser.add_argument("--variants", nargs="+", default=VARIANTS, help=f"of {VARIANTS}; a policy's with @key=value")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--min-length", type=int, default=64)
-    parser.add_argument("--max-length", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows", choices=list(ROWS), default="equal", help="one length a batch, or ragged rows")
-    parser.add_argument("--profile", type=int, default=0, help="profile N more steps a variant, after the stream")
-    parser.add_argument("--plain-timeout", type=int, help="seconds for plain (default: --variant-timeout)")
-    common.hidden(parser, "--worker")
-    args = parser.parse_args()
-    for variant in args.variants:
-        variant_policy(variant)
-    if args.smoke:
-        args.steps, args.batch_size, args.min_length, args.max_length, args.backend = 8, 2, 8, 64, "aot_eager"
-    if args.worker:
-        with common.fresh_compiler_state():
-            return common.worker(args.worker_out, lambda: run_variant(args.worker, args))
-    notes = [
+def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    return [{"variant": v} | ({"_timeout": args.plain_timeout} if v == "plain" else {}) for v in args.variants]
+
+
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
+    with common.fresh_compiler_state():
+        return run_variant(args.variant, args)
+
+
+def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    for row in rows:  # a variant that timed out: the seconds it ran, for vs_plain_total_at_most
+        if row.get("error", "").startswith("timed out"):
+            timeout = args.plain_timeout if row["variant"] == "plain" and args.plain_timeout else args.variant_timeout
+            row.update(error=f"did not finish within {timeout} s", ran_s=timeout)
+    add_ratios(rows)
+    return rows
+
+
+def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
+    return [
         f"{args.steps} steps, batch {args.batch_size}, batch lengths uniform in {args.min_length}..{args.max_length} "
-        f"(seed {args.seed}), {ROWS[args.rows]}; HF Llama (16 layers, d 1024, vocab "
-        "32000), bf16 autocast, fused AdamW; each variant in a fresh process with empty caches",
+        f"(seed {args.seed}), every row of a batch of its length; HF Llama (16 layers, d 1024, vocab 32000), bf16 "
+        "autocast, fused AdamW; each variant in a fresh process with empty caches",
         "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
         "steady_real_tokens_per_s: the stream run again after it (every length compiled; with CUDA graphs the "
         "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
         "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
-        "nothing (a sync after each); padding: positions / real tokens - 1 (the collator's own padding included); "
-        "recompiles_after_warmup: a frame's "
+        "nothing (a sync after each); padding: positions / real tokens - 1; recompiles_after_warmup: a frame's "
         "compiles after its first, bucket warm-up's aside; vs_plain_total_at_most: total_s / the seconds plain ran "
         "before its timeout stopped it",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
     ]
-    title = "Variable-length batches on HF Llama: plain torch.compile vs dynamic vs buckets"
-    rows = []
-    for variant in args.variants:
-        timeout = args.plain_timeout if variant == "plain" and args.plain_timeout else args.variant_timeout
-        log = args.out.with_name(f"{args.out.stem}.errors.log")
-        result = common.fresh_row(__file__, ["--worker", variant, *sys.argv[1:]], timeout, log=log)
-        if result.get("error", "").startswith("timed out"):
-            rows.append({"variant": variant, "error": f"did not finish within {timeout} s", "ran_s": timeout})
-        elif "error" in result:
-            rows.append({"variant": variant, "error": result["error"]})
-            print(f"{variant}: failed (output in {log})", flush=True)
-        else:
-            rows.append(result)
-            print(f"{variant}: {rows[-1]['total_s']:.1f} s", flush=True)
-        add_ratios(rows)  # and the file written after each variant: a cut-short run keeps its rows
-        common.write_result(args.out, "hf_varlen", title, COLUMNS, rows, notes)
-    common.print_table(COLUMNS, rows, baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)")
 
+
+def checked_variant(variant: str) -> str:
+    variant_policy(variant)
+    return variant
+
+
+BENCHMARK = common.Benchmark(
+    name="hf_varlen",
+    title="Variable-length batches on HF Llama: plain torch.compile vs dynamic vs buckets",
+    columns=COLUMNS,
+    runs=runs,
+    measure=measure,
+    shared=dict(steps=200, backend="inductor", variant_timeout=240),
+    options={
+        "--variants": dict(nargs="+", default=VARIANTS, type=checked_variant, help="a policy's with @key=value"),
+        "--batch-size": dict(type=int, default=8),
+        "--min-length": dict(type=int, default=64),
+        "--max-length": dict(type=int, default=1024),
+        "--seed": dict(type=int, default=0),
+        "--plain-timeout": dict(type=int, help="seconds for plain (default: --variant-timeout)"),
+    },
+    smoke=dict(steps=8, batch_size=2, min_length=8, max_length=64, backend="aot_eager"),
+    smoke_help="tiny Llama on the CPU, aot_eager, 8 steps",
+    finish=finish,
+    notes=notes,
+    baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__.splitlines()[0])

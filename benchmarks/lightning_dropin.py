@@ -171,52 +171,43 @@ def train_py(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
-def run_cache(args: argparse.Namespace, policy: str, phase: str, bundle: Path) -> Dict[str, Any]:
-    command = common.flags(
-        worker=True, cache_run=f"{policy}:{phase}", bundle=bundle, steps=args.steps, smoke=args.smoke
-    )
-    row = {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}"}
-    return common.fresh_row(__file__, command, args.timeout, row)
-
-
-def cache_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Each policy cold, then on a new machine, with one bundle directory; ``full`` with no cache, the base."""
-    import tempfile
-
+def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Each model under each variant; then each cache policy cold and on a new machine (one bundle directory),
+    and ``full`` with no cache, the base of ``vs_full_cold``."""
     policies = [p for p in args.cache_policies.split(",") if p]
-    if not policies:
-        return []
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="dropin-bundles-") as folder:
-        for policy in policies:
-            rows += [run_cache(args, policy, phase, Path(folder) / policy) for phase in CACHE_PHASES]
-        rows.append(run_cache(args, "full", "cold_no_cache", Path(folder) / "none"))
-    base = rows[-1].get("first_step_s")
+    models = [m for m in args.models.split(",") if m]
+    cache_runs = [(policy, phase) for policy in policies for phase in CACHE_PHASES] + [("full", "cold_no_cache")]
+    return [{"model": m, "variant": v} for m in models for v in args.variants.split(",")] + [
+        {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}", "_cache_run": f"{policy}:{phase}"}
+        | {"_bundle": str(args.scratch / (policy if phase != "cold_no_cache" else "none"))}
+        for policy, phase in (cache_runs if policies else [])
+    ]
+
+
+def vs_full_cold(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    base = next((row.get("first_step_s") for row in rows if row["variant"] == "full cold_no_cache"), None)
     for row in rows:
-        row["vs_full_cold"] = row["first_step_s"] / base if base and row.get("first_step_s") else None
+        if row["model"] == CACHE_MODEL[args.smoke]:
+            row["vs_full_cold"] = row["first_step_s"] / base if base and row.get("first_step_s") else None
     return rows
 
 
-def run_variant(args: argparse.Namespace, model: str, variant: str) -> Dict[str, Any]:
-    command = common.flags(worker=True, model=model, variant=variant, steps=args.steps, smoke=args.smoke)
-    return common.fresh_row(__file__, command, args.timeout, {"model": model, "variant": variant})
-
-
-def main() -> None:
-    parser = common.arguments(__doc__, "lightning_dropin", "CPU, tiny models, aot_eager", steps=None, timeout=240)
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--cache-policies", default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)")
-    common.hidden(parser, "--cache-run", "--bundle", "--model", "--variant")
-    common.hidden(parser, "--worker", action="store_true")
-    args = parser.parse_args()
-    args.steps = args.steps or (4 if args.smoke else 50)
-    if args.worker:
-        return common.worker(args.worker_out, lambda: train_py(args) if args.cache_run else measure(args), args.timeout)
-    models = [m for m in args.models.split(",") if m]
-    rows = [run_variant(args, m, v) for m in models for v in args.variants.split(",")]
-    rows += cache_rows(args)
-    notes = [
+BENCHMARK = common.Benchmark(
+    name="lightning_dropin",
+    title="The callback dropped into a plain LightningModule",
+    columns=COLUMNS,
+    runs=runs,
+    measure=lambda args: train_py(args) if getattr(args, "cache_run", None) else measure(args),
+    shared=dict(steps=50, timeout=240),
+    options={
+        "--models": dict(default=",".join(MODELS)),
+        "--variants": dict(default=",".join(VARIANTS)),
+        "--cache-policies": dict(default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)"),
+    },
+    smoke=dict(steps=4),
+    smoke_help="CPU, tiny models, aot_eager",
+    finish=vs_full_cold,
+    notes=lambda args, rows: [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
         "process with empty compile caches.",
         "step_ms: median of the second half of the steps (the benchmark's own CUDA events around each training batch);"
@@ -228,12 +219,10 @@ def main() -> None:
         "region calls the precompiled layer served / that Dynamo traced instead; vs_full_cold: the first step "
         "against full's cold_no_cache (goal: <= 0.03 on a new machine, with 0 traced, 0 fallbacks, 0 failed "
         "captures).",
-    ]
-    common.write_result(
-        args.out, "lightning_dropin", "The callback dropped into a plain LightningModule", COLUMNS, rows, notes
-    )
-    common.print_table(COLUMNS, rows, baseline="the benchmark's own clock (summary_*_vs_own)")
-
+    ],
+    key=("model", "variant"),
+    baseline="the benchmark's own clock (summary_*_vs_own)",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__)

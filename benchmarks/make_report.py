@@ -1,21 +1,9 @@
-"""Regenerate ``docs/BENCHMARKS.md`` (and its plots) from the result files in ``benchmarks/results/``.
+"""Regenerate ``docs/BENCHMARKS.md`` (and its plots) from the result files in ``benchmarks/results/``:
+``<benchmark>.json`` (a headline), ``<sweep>/`` (a sweep's ``result.json`` per run), ``experiments/`` (earlier and side
+runs, each with an ``"experiment"`` heading; a former headline with ``"changed_since"``), ``<name>.md`` beside a JSON
+file (what the numbers say, printed after the table).
 
     python benchmarks/make_report.py
-
-Layout of ``benchmarks/results/``:
-
-- ``<benchmark>.json``: the headline of a benchmark, its latest full run (a new run of the benchmark's script
-  with its default ``--out`` replaces it);
-- ``<sweep>/``: a sweep's runs (``python train.py -m ...``; one ``result.json`` per run);
-- ``experiments/<what it tested>.json``: earlier and side runs, each with an ``"experiment"`` string that says
-  what it tested (the section's heading); a former headline measured on an older definition of a bundled policy
-  also says what changed since (``"changed_since"``); ``experiments/<sweep>/`` holds a former headline sweep, its
-  ``experiment.json`` those two strings;
-- ``<name>.md`` beside a JSON file: what the numbers say, written by whoever ran it (printed after the table).
-
-The page has a "Headlines" part (one section per benchmark) and an "Experiments" part. Every section states
-the device, versions, date and command of the run that measured it; a headline also its commit and whether its
-numbers are medians over repeats. No two sections share a heading.
 """
 
 from __future__ import annotations

@@ -18,10 +18,9 @@ import math
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch._dynamo.utils import counters, get_compilation_metrics
@@ -31,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common  # noqa: E402
 from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile  # noqa: E402
 from benchmarks.models import GPT2_SMALL  # noqa: E402
-from compile_trainer import compat  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
@@ -207,47 +205,43 @@ def run_variant(
     """The variant's row, and its parameters after ``PARITY_STEP`` steps and at the end."""
     params = [torch.nn.Parameter(t.clone()) for t in initial]
     grads = [g.clone() for g in grads]  # clip_grad_norm_ clips them in place
-    torch._dynamo.reset()
-    seen_metrics = {id(m) for m in get_compilation_metrics()}
-    breaks_before = sum(counters["graph_break"].values())
     row: Dict[str, Any] = {"variant": variant}
     training = IN_TRAINING in variant
-    with compat.fresh_inductor_cache():  # a cold compile for every variant
-        if variant == BACKWARD_ALONE:
-            optimizer, scheduler, step = no_optimizer(params)
-        else:
-            optimizer, scheduler, step = make_optimizer(variant, params, device, args.backend, args.steps)
-        compiled_step = optimizer.__dict__.get("step") if optimizer else None
-        warmup = warmup_steps(optimizer) if optimizer else 2
-        timer, host_ms, snapshots = StepTimer(device), [], []
-        kernels_at_warmup = 0
-        for index in range(args.steps):
-            if index == warmup:
-                kernels_at_warmup = len(getattr(getattr(compiled_step, "update", None), "specializations", ()))
-            if index == min(PARITY_STEP, args.steps - 1):
-                snapshots.append([p.detach().clone() for p in params])
-            if training:
-                set_grads(params, [None] * len(params))
-                loss = training_loss(params, grads)
-            elif index == 0 or variant not in GATHERED_IN_BACKWARD:
-                set_grads(params, grads)
-            started = timer.start()
-            host_start = time.perf_counter()
-            if training:
-                loss.backward()  # the hooks (gradient copy, norm) are timed with the step they serve
-            step()
-            host_ms.append(1000 * (time.perf_counter() - host_start))
-            timer.stop(started)
-            if scheduler is not None:
-                scheduler.step()
-        step_ms = [1000 * s for s in timer.seconds()]
-        if device.type == "cuda" and not training:
-            try:
-                gather = variant not in GATHERED_IN_BACKWARD
-                row.update(profile_kernels(step, scheduler, lambda: gather and set_grads(params, grads)))
-            except Exception as error:  # the timings above still count
-                row["profile_error"] = repr(error)
-    compiles = [m for m in get_compilation_metrics() if id(m) not in seen_metrics]
+    if variant == BACKWARD_ALONE:
+        optimizer, scheduler, step = no_optimizer(params)
+    else:
+        optimizer, scheduler, step = make_optimizer(variant, params, device, args.backend, args.steps)
+    compiled_step = optimizer.__dict__.get("step") if optimizer else None
+    warmup = warmup_steps(optimizer) if optimizer else 2
+    timer, host_ms, snapshots = StepTimer(device), [], []
+    kernels_at_warmup = 0
+    for index in range(args.steps):
+        if index == warmup:
+            kernels_at_warmup = len(getattr(getattr(compiled_step, "update", None), "specializations", ()))
+        if index == min(PARITY_STEP, args.steps - 1):
+            snapshots.append([p.detach().clone() for p in params])
+        if training:
+            set_grads(params, [None] * len(params))
+            loss = training_loss(params, grads)
+        elif index == 0 or variant not in GATHERED_IN_BACKWARD:
+            set_grads(params, grads)
+        started = timer.start()
+        host_start = time.perf_counter()
+        if training:
+            loss.backward()  # the hooks (gradient copy, norm) are timed with the step they serve
+        step()
+        host_ms.append(1000 * (time.perf_counter() - host_start))
+        timer.stop(started)
+        if scheduler is not None:
+            scheduler.step()
+    step_ms = [1000 * s for s in timer.seconds()]
+    if device.type == "cuda" and not training:
+        try:
+            gather = variant not in GATHERED_IN_BACKWARD
+            row.update(profile_kernels(step, scheduler, lambda: gather and set_grads(params, grads)))
+        except Exception as error:  # the timings above still count
+            row["profile_error"] = repr(error)
+    compiles = get_compilation_metrics()
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     timed = "backward_step_ms" if training else "step_ms"  # in training, the step's share comes in with_ratios
     row[timed] = statistics.median(step_ms[warmup:] or step_ms)
@@ -262,7 +256,7 @@ def run_variant(
     }
     row["frames_compiled"] = len(compiles)
     row["recompiles"] = sum(1 for m in compiles if is_recompile(m))
-    row["graph_breaks"] = sum(counters["graph_break"].values()) - breaks_before
+    row["graph_breaks"] = sum(counters["graph_break"].values())
     if isinstance(compiled_step, CompiledOptimizerStep):
         update = compiled_step.update
         row["kernel"] = update.describe()
@@ -286,14 +280,16 @@ def copy_floor(param_bytes: int, device: torch.device) -> Dict[str, Any]:
         target.copy_(source)
         timer.stop(started)
     copy_gb_per_s = 2 * param_bytes / statistics.median(timer.seconds()[5:]) / 1e9
-    floor_ms = 1000 * PASSES * param_bytes / (copy_gb_per_s * 1e9)
-    return {"variant": "copy floor", "step_ms": floor_ms, "gb_per_s": copy_gb_per_s}
+    return {"step_ms": 1000 * PASSES * param_bytes / (copy_gb_per_s * 1e9), "gb_per_s": copy_gb_per_s}
 
 
-def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int, param_bytes: int) -> List[str]:
+def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
+    initial, _ = parameters(args)
+    param_bytes = sum(t.numel() * t.element_size() for t in initial)
     notes = [
-        f"AdamW over {params / 1e6:.1f}M fp32 parameters ({param_bytes / 1e6:.0f} MB) in 2 groups, backend "
-        f"{args.backend}, {args.steps} scheduled steps per variant (warm-up + cosine), fresh compile caches each"
+        f"AdamW over {sum(t.numel() for t in initial) / 1e6:.1f}M fp32 parameters ({param_bytes / 1e6:.0f} MB) in "
+        f"2 groups, backend {args.backend}, {args.steps} scheduled steps per variant (warm-up + cosine), fresh "
+        "compile caches each"
     ]
     for row in rows:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in row.get("compile_phases_s", {}).items() if v)
@@ -308,101 +304,52 @@ def notes_for(rows: List[Dict[str, Any]], args: argparse.Namespace, params: int,
     return notes
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    smoke = "tiny model on the CPU with aot_eager, 20 steps"
-    parser = common.arguments(__doc__, "optimizer", smoke, steps=None, backend=None)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all that the device runs")
-    parser.add_argument("--no-training-rows", action="store_true", help="skip the in-training rows")
-    parser.add_argument(
-        "--end-to-end", action=argparse.BooleanOptionalAction, help="also train GPT-2 small (default: on a GPU)"
-    )
-    parser.add_argument("--only-end-to-end", action="store_true", help="only the GPT-2 small training rows")
-    parser.add_argument("--end-to-end-rows", nargs="+", choices=list(END_TO_END), help="default: all")
-    parser.add_argument("--append", action="store_true", help="keep --out's rows that this run does not measure")
-    args = parser.parse_args(argv)
-    args.device = common.device_for(args.smoke)
-    args.steps = args.steps or (20 if args.smoke else 1000)
-    args.backend = args.backend or ("aot_eager" if args.smoke else "inductor")
-    args.variants = args.variants or [v for v in VARIANTS if args.device.type == "cuda" or v not in GPU_ONLY]
-    args.variants += [] if args.no_training_rows else list(TRAINING_VARIANTS)
-    args.end_to_end = args.device.type == "cuda" if args.end_to_end is None else args.end_to_end
+def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The step-alone variants (the device's), the in-training ones, the copy floor, then the end-to-end rows."""
+    gpu = common.device_for(args.smoke).type == "cuda"
+    variants = args.variants or [v for v in VARIANTS if gpu or v not in GPU_ONLY]
+    variants += [] if args.no_training_rows else list(TRAINING_VARIANTS)
+    end_to_end = gpu if args.end_to_end is None else args.end_to_end
     if args.only_end_to_end:
-        args.variants, args.end_to_end = [], True
-    args.end_to_end_rows = args.end_to_end_rows or list(END_TO_END)
-    return args
+        variants, end_to_end = [], True
+    step_rows = [{"variant": v} for v in variants] + ([{"variant": "copy floor"}] if variants else [])
+    return step_rows + [
+        {"variant": name, "_end_to_end": END_TO_END[name]} for name in args.end_to_end_rows * end_to_end
+    ]
 
 
-def earlier_result(args: argparse.Namespace) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """With ``--append``: the rows of ``--out`` that this run does not measure, and their notes (naming the
-    command that measured them)."""
-    if not (args.append and args.out.exists()):
-        return [], []
-    earlier = json.loads(args.out.read_text())
-    measured = set(args.variants) | (set(args.end_to_end_rows) if args.end_to_end else set())
-    current = {*VARIANTS, *TRAINING_VARIANTS, *END_TO_END} - measured  # rows of variants since renamed are dropped
-    rows = [row for row in earlier["rows"] if row["variant"] in current]
-    notes = [note for note in earlier["notes"] if not note.startswith("rows measured by: ")]
-    command = next((n for n in earlier["notes"] if n.startswith("rows measured by: ")), None)
-    command = command or f"rows measured by: {earlier['meta']['command']} ({earlier['meta']['date']})"
-    return rows, [command, *notes]
+STATE: Dict[str, Any] = {"references": {}}  # the runs of one process share the parameters and the references
 
 
-def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
-    args = parse_args(argv)
-    device = args.device
+def parameters(args: argparse.Namespace) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """GPT-2 small's (or the tiny model's) initial parameters and a gradient for each, made once a process."""
+    if "initial" not in STATE:
+        device = common.device_for(args.smoke)
+        torch.manual_seed(0)
+        STATE["initial"] = [p.detach().clone() for p in GPT(TINY if args.smoke else GPT2_SMALL).to(device).parameters()]
+        generator = torch.Generator(device=device).manual_seed(1)
+        STATE["grads"] = [torch.randn(t.shape, device=device, generator=generator) * 1e-3 for t in STATE["initial"]]
+    return STATE["initial"], STATE["grads"]
+
+
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
+    """One row: an end-to-end run, the copy floor, or a variant (parity against its reference's parameters)."""
+    if getattr(args, "end_to_end", None):
+        return train_end_to_end(args.variant, args.end_to_end, args)
     if hasattr(torch._dynamo.utils, "set_compilation_metrics_limit"):
         torch._dynamo.utils.set_compilation_metrics_limit(100_000)
     torch._dynamo.config.recompile_limit = 64  # so recompiles are counted, not hidden by a fallback to eager
-    torch.manual_seed(0)
-    model = GPT(TINY if args.smoke else GPT2_SMALL).to(device)
-    initial = [p.detach().clone() for p in model.parameters()]
-    del model
-    generator = torch.Generator(device=device).manual_seed(1)
-    grads = [torch.randn(t.shape, device=device, generator=generator) * 1e-3 for t in initial]
-    param_bytes = sum(t.numel() * t.element_size() for t in initial)
-    params = sum(t.numel() for t in initial)
-
-    rows: List[Dict[str, Any]] = []
-    earlier_rows, earlier_notes = earlier_result(args)
-    title = "AdamW step over GPT-2 small's parameters" + (" (smoke: tiny model, CPU)" if args.smoke else "")
-
-    floor = copy_floor(param_bytes, device)
-
-    def save() -> List[Dict[str, Any]]:
-        """Written after every variant, so a run cut short still leaves what it measured."""
-        finished = with_ratios(earlier_rows + rows) + [floor]
-        notes = notes_for(finished, args, params, param_bytes)
-        notes = earlier_notes + [note for note in notes if note not in earlier_notes]
-        common.write_result(args.out, "optimizer", title, COLUMNS, finished, notes)
-        return finished
-
-    references: Dict[str, List[List[torch.Tensor]]] = {}
-    for variant in args.variants:
-        started = time.perf_counter()
-        try:
-            row, snapshots = run_variant(variant, initial, grads, device, args)
-        except Exception:  # one variant failing must not cost the others' measurements
-            rows.append({"variant": variant, "error": traceback.format_exc().strip().splitlines()[-1][:300]})
-            traceback.print_exc()
-        else:
-            if variant == parity_reference_for(variant):
-                references[variant] = snapshots
-            if parity_reference_for(variant) in references and variant != BACKWARD_ALONE:
-                row.update(parameter_differences(snapshots, references[parity_reference_for(variant)]))
-            rows.append(row)
-            del snapshots
-        print(f"{variant}: {time.perf_counter() - started:.1f} s, {rows[-1]}", flush=True)
-        save()
-    references.clear()
-    for name in args.end_to_end_rows if args.end_to_end else ():
-        variant = END_TO_END[name]
-        rows.append(train_end_to_end(name, variant, args))
-        print(f"{name}: {rows[-1]}", flush=True)
-        save()
-    finished = save()
-    common.print_table(COLUMNS, finished, baseline="fused, or fused + clip for the rows that clip (ratio, vs_fused)")
-    print("\n".join(notes_for(finished, args, params, param_bytes)))
-    return finished
+    initial, grads = parameters(args)
+    device, references = common.device_for(args.smoke), STATE["references"]
+    if args.variant == "copy floor":
+        return copy_floor(sum(t.numel() * t.element_size() for t in initial), device)
+    row, snapshots = run_variant(args.variant, initial, grads, device, args)
+    reference = parity_reference_for(args.variant)
+    if args.variant == reference:
+        references[args.variant] = snapshots
+    if reference in references and args.variant != BACKWARD_ALONE:
+        row.update(parameter_differences(snapshots, references[reference]))
+    return row
 
 
 def parameter_differences(snapshots: List[List[torch.Tensor]], reference: List[List[torch.Tensor]]) -> Dict[str, float]:
@@ -443,22 +390,42 @@ def with_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def train_end_to_end(name: str, variant: str, args: argparse.Namespace) -> Dict[str, Any]:
     """The recipe's GPT-2 small trained by Lightning in a fresh process (``benchmarks/train_step.py``'s worker)."""
-    from benchmarks import train_step
-
     # 20 steps before timing: auto's trial (its candidates' warm-up and timed steps) is over by then
-    passthrough = ["--smoke"] * args.smoke + ["--steps=100", "--warmup=20", f"--backend={args.backend}"]
-    worker_args = argparse.Namespace(out=args.out, variant_timeout=300, passthrough=passthrough)
-    result = train_step.run_variant(variant, worker_args)
-    keys = ("first_step_s", "tokens_per_s", "peak_mem_gib", "optimizer_choice", "error")
-    row = {"variant": name, **{k: result[k] for k in keys if k in result}}
+    command = ["--smoke"] * args.smoke + ["--steps=100", "--warmup=20", f"--backend={args.backend}", "--worker"]
+    script = str(Path(__file__).with_name("train_step.py"))
+    result = common.fresh_row(script, [*command, json.dumps({"variant": variant})], 300)
+    keys = ("tokens_per_s", "peak_mem_gib", "optimizer_choice", "error")
+    row = {k: result[k] for k in keys if k in result}
     if "step_ms" in result:
         row["training_step_ms"] = result["step_ms"]
     if "recompile_reasons" in result:
         row["recompiles"], row["graphs"] = len(result["recompile_reasons"]), result["graphs"]
-    if "first_step_s" in row:
-        row["first_steps_s"] = row.pop("first_step_s")
+    if "first_step_s" in result:
+        row["first_steps_s"] = result["first_step_s"]
     return row
 
 
+BENCHMARK = common.Benchmark(
+    name="optimizer",
+    title="AdamW step over GPT-2 small's parameters",
+    columns=COLUMNS,
+    runs=runs,
+    measure=measure,
+    shared=dict(steps=1000, backend="inductor"),
+    options={
+        "--variants": dict(nargs="+", choices=VARIANTS, help="default: all that the device runs"),
+        "--no-training-rows": dict(action="store_true", help="skip the in-training rows"),
+        "--end-to-end": dict(action=argparse.BooleanOptionalAction, help="also train GPT-2 small (default: on a GPU)"),
+        "--only-end-to-end": dict(action="store_true", help="only the GPT-2 small training rows"),
+        "--end-to-end-rows": dict(nargs="+", choices=list(END_TO_END), default=list(END_TO_END)),
+    },
+    smoke=dict(steps=20, backend="aot_eager"),
+    smoke_help="tiny model on the CPU with aot_eager, 20 steps",
+    finish=lambda rows, args: with_ratios(rows),
+    notes=notes,
+    in_process=True,
+    baseline="fused, or fused + clip for the rows that clip (ratio, vs_fused)",
+)
+
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__)

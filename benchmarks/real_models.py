@@ -2,7 +2,7 @@
 
 HF Llama (16 layers, d 1024, 8 KV heads; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens), ViT-B/16 and ResNet-50
 (64 images of 224²) from ``benchmarks/models.py``; bf16 autocast, fused AdamW; each variant in a fresh process with
-empty compile caches (``--isolation variant``): its first step is the cold compile a user pays. GPU run:
+empty compile caches: its first step is the cold compile a user pays. GPU run:
 
     python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
     python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
@@ -19,10 +19,8 @@ CPU smoke run (tiny configs, aot_eager, all in one process): ``python benchmarks
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -155,20 +153,24 @@ def prepare(
     return model, applied, False, list(applied.notes)
 
 
-def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[str, Any]) -> Dict[str, Any]:
-    """Train model ``name`` under ``variant``; ``state`` keeps its FLOP count for the process's next variant."""
+FLOPS: Dict[str, Dict[str, Any]] = {}  # per model: its FLOP count, for the process's next variant
+
+
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
+    """Train ``args.model`` under ``args.variant``."""
     from compile_trainer.telemetry.compile_events import CompileTelemetry
 
+    name, variant, state = args.model, args.variant, FLOPS.setdefault(args.model, {})
     device = common.device_for(args.smoke)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
     spec = MODELS[name]
     torch.manual_seed(0)
     with device:  # initialized where it trains: on the GPU, seconds faster than on the host
         model, source, size = build_model(name, args.smoke)
     model.to(device).train()
     batches, items = make_batches(name, args.smoke, size, 4, device)
-    if args.channels_last and spec.family == "vision":
-        model.to(memory_format=torch.channels_last)
-        batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
     if "flops" not in state:
         try:
             loss = partial(loss_of, spec.family, model, batches[0])
@@ -180,7 +182,7 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[s
     run, applied, mark_step, notes = prepare(variant, model, args)  # compiles nothing yet: that is lazy
     telemetry = CompileTelemetry(applied).install()  # attributes a policy's compiles to its regions
     try:
-        result = measure(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry)
+        result = train(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry)
     finally:
         telemetry.uninstall()
         if applied is not None:
@@ -193,19 +195,20 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, state: Dict[s
         "flops_per_step": flops,
         "tflops": flops / step_s / 1e12 if flops else None,
         "mfu": flops / step_s / peak if flops and peak else None,
-        "notes": notes + ([state["flops_error"]] if "flops_error" in state else []),
+        "notes": notes + ([state["flops_error"]] if "flops_error" in state else []) or None,
     }
 
 
-def measure(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry) -> Dict[str, Any]:
+def train(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry) -> Dict[str, Any]:
     """The first step (timed alone), the warm-up, the timed steps; what the compiler did meanwhile."""
     from torch._dynamo.utils import counters, get_compilation_metrics
 
-    train = common.training_step(optimizer, partial(loss_of, spec.family, run), device, applied, mark_step=mark_step)
+    loss = partial(loss_of, spec.family, run)
+    training_step = common.training_step(optimizer, loss, device, applied, mark_step=mark_step)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
-        loss = train(batches[index % len(batches)])
+        loss = training_step(batches[index % len(batches)])
         if len(losses) < LOSSES_COMPARED:
             losses.append(loss.clone())  # a CUDA-graph output is overwritten by the next replay
 
@@ -231,32 +234,13 @@ def measure(spec, run, applied, mark_step, optimizer, batches, args, device, tel
             for m in get_compilation_metrics()
         ],
         "recompile_reasons": common.recompile_reasons(limit=10),
-        "losses": [float(loss) for loss in losses],
+        "first_losses": [float(loss) for loss in losses],
     }
 
 
-def run_worker(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
-    """``args.worker_runs`` (``model:variant``) in turn, compiler state and caches reset before each; the results
-    written after each (a run cut short keeps the ones before)."""
-    if torch.cuda.is_available() and not args.smoke:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.benchmark = True
-    results: Dict[str, Dict[str, Any]] = {}
-    states: Dict[str, Dict[str, Any]] = {}  # per model: its FLOP count
-    for run in args.worker_runs:
-        name, variant = run.split(":")
-        try:
-            with common.fresh_compiler_state():
-                results[run] = run_variant(name, variant, args, states.setdefault(name, {}))
-        except Exception as error:  # one variant's failure is its row, not the end of the run
-            message = f"{type(error).__name__}: {error}".strip()[:400]
-            results[run] = {"error": message, "traceback": traceback.format_exc()}
-        args.worker_out.write_text(json.dumps(results))
-    return results
-
-
-def precheck(variant: str) -> Optional[str]:
-    """Why ``variant`` cannot run here (checked without starting a worker), or None."""
+def skip(run: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
+    """Why a run cannot run here (checked without starting a worker), or would likely time out past ``--budget-s``."""
+    variant = run["variant"]
     if variant == "compile_regions" and not has_module("accelerate"):
         return "accelerate not installed"
     if variant.startswith(POLICY_PREFIX):
@@ -270,6 +254,10 @@ def precheck(variant: str) -> Optional[str]:
             return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
         if not has_module("omegaconf"):
             return "omegaconf not installed (compile_trainer.to_policy needs it)"
+    if not args.smoke and args.budget_s - (time.perf_counter() - args.started) < PROCESS_GUESS_S + guess_seconds(
+        run["model"], variant
+    ):
+        return f"skipped: not enough of the run's --budget-s {args.budget_s:.0f} s left; run it in another command"
     return None
 
 
@@ -281,98 +269,50 @@ def guess_seconds(name: str, variant: str) -> float:
     return COMPILE_GUESS[name][list(PEERS).index(variant) - 1]
 
 
-def worker_groups(runs: List[Tuple[str, str]], isolation: str) -> List[List[Tuple[str, str]]]:
-    """The runs each worker process does: one per process, the runs of one model, or all of them."""
-    if isolation == "variant":
-        return [[run] for run in runs]
-    if isolation == "model":
-        return [[run for run in runs if run[0] == name] for name in dict.fromkeys(name for name, _ in runs)]
-    return [runs] if runs else []
-
-
-def estimate(runs: List[Tuple[str, str]], args: argparse.Namespace) -> None:
-    """Print the guessed wall seconds per model on an H100 (for planning a 10-minute command; not a measurement)
-    and, over ``--budget-s``, the models grouped into commands that fit."""
+def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Every model under every variant; prints the guessed wall seconds per model on an H100 (for planning a
+    10-minute command; not a measurement) and, over ``--budget-s``, the models grouped into commands that fit."""
+    variants = args.variants + [POLICY_PREFIX + p for p in args.policies]
+    requested = [{"model": name, "variant": v, "compiled": describe(v)} for name in args.models for v in variants]
     per_model: Dict[str, float] = {}
-    for group in worker_groups(runs, args.isolation):
-        for index, (name, variant) in enumerate(group):
-            start = PROCESS_GUESS_S if index == 0 else 5  # a new process, or the model built again
-            per_model[name] = per_model.get(name, 0.0) + start + guess_seconds(name, variant)
+    for run in requested:
+        guess = PROCESS_GUESS_S + guess_seconds(run["model"], run["variant"]) if run["model"] in COMPILE_GUESS else 0
+        per_model[run["model"]] = per_model.get(run["model"], 0.0) + guess
     guessed, each = sum(per_model.values()), ", ".join(f"{n} ~{s:.0f} s" for n, s in per_model.items())
     print(f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; ~{guessed:.0f} s in all, "
           f"budget {args.budget_s:.0f} s", flush=True)  # fmt: skip
-    if guessed <= args.budget_s or args.smoke:
-        return
-    print("over budget: split it, e.g.", flush=True)
-    groups, used = [[]], 0.0
-    for name, seconds in per_model.items():
-        if groups[-1] and used + seconds > args.budget_s:
-            groups, used = groups + [[]], 0.0
-        groups[-1].append(name)
-        used += seconds
-    for index, group in enumerate(groups):  # the first command starts the file, the others add to it
-        print(
-            f"  python benchmarks/real_models.py --models {' '.join(group)}{' --append' * bool(index)} --out {args.out}"
-        )
+    if guessed > args.budget_s and not args.smoke:
+        groups, used = [[]], 0.0
+        for name, seconds in per_model.items():
+            if groups[-1] and used + seconds > args.budget_s:
+                groups, used = groups + [[]], 0.0
+            groups[-1].append(name)
+            used += seconds
+        print("over budget: split it, e.g.")
+        for index, group in enumerate(groups):  # the first command starts the file, the others add to it
+            print(f"  python benchmarks/real_models.py --models {' '.join(group)}{' --append' * bool(index)}")
+    if args.estimate:
+        raise SystemExit(0)
+    return requested
 
 
-def run_worker_process(runs: List[Tuple[str, str]], args: argparse.Namespace, timeout: float) -> Dict:
-    """``runs`` in one fresh process with empty compile caches (emptied again before each run); a failure's
-    output and each run's traceback go to one log beside ``--out``."""
-    keys = [f"{name}:{variant}" for name, variant in runs]
-    log = args.out.with_name(f"{args.out.stem}.errors.log")
-    passthrough = [*args.passthrough, f"--variant-timeout={int(timeout)}"]
-    results = common.run_fresh(__file__, ["--worker-runs", *keys, *passthrough], timeout, log=log)
-    error, _ = results.pop("error", None), results.pop("process_s")
-    for key in keys:
-        if "traceback" in results.get(key, {}):
-            with log.open("a") as file:
-                file.write(f"==== {key} ({time.strftime('%H:%M:%S')})\n{results[key].pop('traceback').rstrip()}\n\n")
-            results[key]["log"] = log.name
-    return {run: results.get(key) or {"error": error or "no result"} for run, key in zip(runs, keys)}
-
-
-def summarize(results: Dict[Tuple[str, str], Dict[str, Any]], order: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
-    """One row per (model, variant) in ``order``, with ratios against eager and the best full compile of the same
-    model: ``torch.compile(model)`` in its default mode or with reduce-overhead, whichever ran faster."""
-    rows = []
-    for name, variant in order:
-        result = results[(name, variant)]
-        row: Dict[str, Any] = {"model": name, "variant": variant, "compiled": describe(variant)}
-        if "error" in result:
-            rows.append(row | {k: v for k, v in result.items() if k in ("error", "log", "source")})
+def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Ratios against eager and the best full compile of the same model: ``torch.compile(model)`` in its default
+    mode or with reduce-overhead, whichever ran faster."""
+    measured = {(row["model"], row["variant"]): row for row in rows if "items_per_s" in row}
+    for row in rows:
+        if row.get("error"):
             continue
-        row |= {k: v for k, v in result.items() if k not in ("losses", "notes")}
-        eager = results.get((name, "eager"), {})
-        fulls = [(v, results.get((name, v), {})) for v in FULL_COMPILES]
-        fulls = [(v, f) for v, f in fulls if "items_per_s" in f]
-        best_name, best = max(fulls, key=lambda item: item[1]["items_per_s"]) if fulls else (None, None)
-        if "items_per_s" in eager:
-            row["speedup_vs_eager"] = result["items_per_s"] / eager["items_per_s"]
-            row["loss_rel_diff_vs_eager"] = common.rel_diff(result["losses"], eager["losses"])
-        if best is not None:
-            row["full_compile"] = best_name
-            row["throughput_vs_full"] = result["items_per_s"] / best["items_per_s"]
-            row["first_step_vs_full"] = result["first_step_s"] / best["first_step_s"]
-        row["first_losses"] = result["losses"]
-        row["notes"] = result.get("notes") or None
-        rows.append(row)
+        eager = measured.get((row["model"], "eager"), {})
+        fulls = [(v, measured[(row["model"], v)]) for v in FULL_COMPILES if (row["model"], v) in measured]
+        if eager:
+            row["speedup_vs_eager"] = row["items_per_s"] / eager["items_per_s"]
+            row["loss_rel_diff_vs_eager"] = common.rel_diff(row["first_losses"], eager["first_losses"])
+        if fulls:
+            row["full_compile"], best = max(fulls, key=lambda item: item[1]["items_per_s"])
+            row["throughput_vs_full"] = row["items_per_s"] / best["items_per_s"]
+            row["first_step_vs_full"] = row["first_step_s"] / best["first_step_s"]
     return rows
-
-
-COLUMNS = """model variant first_step_s compile_s step_ms items_per_s unit speedup_vs_eager throughput_vs_full
-first_step_vs_full full_compile graphs recompiles graph_breaks tflops mfu peak_mem_gib loss_rel_diff_vs_eager
-error""".split()
-# Row fields summarize() derives from the results; --append recomputes them.
-DERIVED = ("model", "variant", "compiled", "speedup_vs_eager", "loss_rel_diff_vs_eager", "full_compile")
-DERIVED += ("throughput_vs_full", "first_step_vs_full", "first_losses")
-TABLE_COLUMNS = [c for c in COLUMNS if c not in ("unit", "full_compile", "tflops")]
-TITLE = "Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies"
-ISOLATED = {
-    "variant": "a fresh process with empty Inductor/Triton caches per variant",
-    "model": "one process per model, Dynamo reset and empty Inductor/Triton caches before each variant",
-    "run": "one process for the whole run, Dynamo reset and empty Inductor/Triton caches before each variant",
-}
 
 
 def batch_text(name: str, smoke: bool) -> str:
@@ -381,111 +321,48 @@ def batch_text(name: str, smoke: bool) -> str:
     return f"{batch} x {size} tokens" if spec.family == "lm" else f"{batch} images of 3 x {size} x {size}"
 
 
-def main() -> None:
-    smoke = "tiny configs on the CPU, aot_eager, few steps"
-    parser = common.arguments(__doc__, "real_models", smoke, steps=30, warmup=5, backend=None, variant_timeout=150)
-    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
-    parser.add_argument("--variants", nargs="*", choices=list(PEERS), help="the peers to run (default: all)")
-    parser.add_argument("--policies", nargs="*", help=f"bundled policies, each as policy_<name> ({DEFAULT_POLICIES})")
-    parser.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s for MFU (default: 989.4 on H100/H200)")
-    parser.add_argument("--channels-last", action="store_true", help="vision models and images in channels_last")
-    parser.add_argument(
-        "--isolation",
-        choices=list(ISOLATED),
-        help="a fresh process per variant (default; the honest cold start), per model, or one for the run (default "
-        "with --smoke); the last two miss in a first step what a process compiles or loads once (imports, CUDA)",
-    )
-    parser.add_argument("--budget-s", type=float, default=540, help="variants that would start past it: error rows")
-    parser.add_argument("--append", action="store_true", help="keep --out's rows of (model, variant)s not run now")
-    parser.add_argument("--estimate", action="store_true", help="print the time estimate and exit")
-    common.hidden(parser, "--worker-runs", nargs="+")
-    args = parser.parse_args()
-    if args.smoke:
-        args.steps, args.warmup, args.backend = min(args.steps, 3), 2, args.backend or "aot_eager"
-        args.isolation = args.isolation or "run"
-        args.variants = SMOKE_VARIANTS if args.variants is None else args.variants
-        args.policies = SMOKE_POLICIES if args.policies is None else args.policies
-    args.isolation = args.isolation or "variant"
-    args.variants = list(PEERS) if args.variants is None else args.variants
-    args.policies = DEFAULT_POLICIES if args.policies is None else args.policies
-    if args.worker_runs:
-        return common.worker(args.worker_out, lambda: run_worker(args), args.variant_timeout)
-
-    variants = args.variants + [POLICY_PREFIX + p for p in args.policies]
-    requested = [(name, variant) for name in args.models for variant in variants]
-    why_not = {variant: precheck(variant) for variant in variants}
-    runs = [(name, variant) for name, variant in requested if why_not[variant] is None]
-    estimate(runs, args)
-    if args.estimate:
-        return
-    args.passthrough = common.flags(
-        steps=args.steps, warmup=args.warmup, backend=args.backend, peak_tflops=args.peak_tflops, smoke=args.smoke,
-        channels_last=args.channels_last,
-    )  # fmt: skip
-
-    meta = common.environment() | {"isolation": args.isolation}
-    results: Dict[Tuple[str, str], Dict[str, Any]] = {}
-    order: List[Tuple[str, str]] = []
-    old: Dict[str, Any] = {"notes": []}
-    if args.append and args.out.exists():
-        old = json.loads(args.out.read_text())
-        meta["command"] = f"{old['meta'].get('command')} && {meta['command']}"
-        if old["meta"].get("isolation") not in (None, args.isolation):
-            meta["isolation"] = f"{old['meta']['isolation']} + {args.isolation}"
-        for row in old["rows"]:  # kept unless run again; ratios are recomputed with this run's rows
-            if (row["model"], row["variant"]) not in requested:
-                kept = {k: v for k, v in row.items() if k not in DERIVED}
-                results[(row["model"], row["variant"])] = kept | {"losses": row.get("first_losses") or []}
-                order.append((row["model"], row["variant"]))
-    order += requested
-    results.update({run: {"error": why_not[run[1]]} for run in requested if why_not[run[1]] is not None})
+def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
     notes = [f"{m}: {batch_text(m, args.smoke)} a step" for m in args.models]
     notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
     vision = {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
-    notes += [TIMM_NOTE] if has_module("timm") and vision and "compile_regions" in variants else []
-    notes += [
+    notes += [TIMM_NOTE] if has_module("timm") and vision and "compile_regions" in args.variants else []
+    return notes + [
         f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "
         f"steps, the first timed alone (first_step_s); backend {args.backend or 'inductor'}; "
-        + ISOLATED[args.isolation],
+        + ("one process, compiler state reset per variant" if args.smoke else "a fresh process per variant"),
         "random weights and data, dropout off; bf16 autocast and fused AdamW on the GPU (fp32 on the CPU); *_vs_full: "
         "against full_compile, the faster of torch_compile and torch_compile_reduce_overhead on the same model; "
         f"loss_rel_diff_vs_eager: of the first {LOSSES_COMPARED} losses; MFU from FlopCounterMode's count of one "
         "eager forward and backward",
     ]
-    notes = old["notes"] + [note for note in notes if note not in old["notes"]]  # --append: both runs' notes
-    started = time.perf_counter()
-    skipped: List[Tuple[str, str]] = []
 
-    def save(done: List[Tuple[str, str]]) -> List[Dict[str, Any]]:
-        rows, wall = summarize(results, done), {"wall_s": time.perf_counter() - started}
-        common.write_result(args.out, "real_models", TITLE, COLUMNS, rows, notes, meta | wall)
-        return rows
 
-    for group in worker_groups(runs, args.isolation):
-        left = args.budget_s - (time.perf_counter() - started)
-        if left < PROCESS_GUESS_S + guess_seconds(*group[0]):  # it would likely time out: leave it to another command
-            why = f"skipped: not enough of the run's --budget-s {args.budget_s:.0f} s left; run it in another command"
-            results.update({run: {"error": why} for run in group})
-            skipped += group
-            continue
-        timeout = min(args.variant_timeout * len(group), left)
-        for (name, variant), result in run_worker_process(group, args, timeout).items():
-            results[(name, variant)] = result
-            print(f"{name} {variant}: {json.dumps(result)[:300]}", flush=True)
-        save([key for key in order if key in results])
-    rows = save(order)
-    common.print_table(TABLE_COLUMNS, rows, baseline="eager (speedup), the faster full compile (*_vs_full)")
-    diffs = [r["loss_rel_diff_vs_eager"] for r in rows if r.get("loss_rel_diff_vs_eager") is not None]
-    if diffs:
-        print(f"first losses vs eager: largest relative difference {max(diffs):.2e}")
-    print(f"wrote {args.out} in {time.perf_counter() - started:.0f} s")
-    if skipped:
-        models = " ".join(dict.fromkeys(name for name, _ in skipped))
-        peers = " ".join(dict.fromkeys(v for _, v in skipped if not v.startswith(POLICY_PREFIX)))
-        policies = " ".join(dict.fromkeys(v[len(POLICY_PREFIX) :] for _, v in skipped if v.startswith(POLICY_PREFIX)))
-        print(f"{len(skipped)} variants skipped for the budget; to run them (and those models' other variants again):")
-        print(f"  python benchmarks/real_models.py --models {models} --variants {peers} --policies {policies} --append")
-
+BENCHMARK = common.Benchmark(
+    name="real_models",
+    title="Real models (HF Llama, HF GPT-2, ViT-B/16, ResNet-50): eager, torch.compile, peers and policies",
+    columns="""model variant first_step_s compile_s step_ms items_per_s unit speedup_vs_eager throughput_vs_full
+    first_step_vs_full full_compile graphs recompiles graph_breaks tflops mfu peak_mem_gib loss_rel_diff_vs_eager
+    error""".split(),
+    runs=runs,
+    measure=measure,
+    shared=dict(steps=30, warmup=5, backend=None, variant_timeout=150),
+    options={
+        "--models": dict(nargs="+", default=DEFAULT_MODELS, choices=list(MODELS)),
+        "--variants": dict(nargs="*", choices=list(PEERS), default=list(PEERS), help="the peers to run"),
+        "--policies": dict(nargs="*", default=DEFAULT_POLICIES, help="bundled policies, each as policy_<name>"),
+        "--peak-tflops": dict(type=float, help="peak bf16 TFLOP/s for MFU (default: 989.4 on H100/H200)"),
+        "--budget-s": dict(type=float, default=540, help="variants that would start past it: error rows"),
+        "--estimate": dict(action="store_true", help="print the time estimate and exit"),
+    },
+    smoke=dict(steps=3, warmup=2, backend="aot_eager", variants=SMOKE_VARIANTS, policies=SMOKE_POLICIES),
+    smoke_help="tiny configs on the CPU, aot_eager, few steps, all in one process",
+    finish=summarize,
+    notes=notes,
+    skip=skip,
+    in_process=lambda args: args.smoke,
+    key=("model", "variant"),
+    baseline="eager (speedup), the faster full compile (*_vs_full)",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__)

@@ -8,16 +8,11 @@ variant a fresh process with empty compile caches. GPT-2 small, bf16 autocast, f
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import json
 import math
-import pstats
 import statistics
 import sys
 import time
-import traceback
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -120,18 +115,12 @@ VARIANTS = {
 
 class GcRecorder:
     """Python's garbage collections in the timed window, per generation, and the host time they paused: lost
-    throughput the per-step medians do not show. ``--gc freeze`` collects once and ``gc.freeze()``s the survivors."""
+    throughput the per-step medians do not show."""
 
-    def __init__(self, mode: str):
-        self.mode = mode
-        self.counts = [0, 0, 0]
-        self.pause_s = 0.0
-        self._started: Optional[float] = None
+    def __init__(self):
+        self.counts, self.pause_s, self._started = [0, 0, 0], 0.0, None
 
     def start(self) -> None:
-        if self.mode == "freeze":
-            gc.collect()
-            gc.freeze()
         gc.callbacks.append(self._record)
 
     def stop(self) -> None:
@@ -146,73 +135,6 @@ class GcRecorder:
 
     def result(self) -> Dict[str, Any]:
         return {"gc_collections": self.counts, "gc_pause_ms": self.pause_s * 1e3}
-
-
-class SyncRecorder:
-    """Device synchronizations in the timed window by call site (``torch.cuda.set_sync_debug_mode``): each one
-    stops the host from running ahead and starves the GPU."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.sites: Dict[str, int] = {}
-
-    def start(self) -> None:
-        if self.enabled:
-            warnings.showwarning = self._record
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-
-    def stop(self) -> None:
-        if self.enabled:
-            torch.cuda.set_sync_debug_mode("default")
-
-    def _record(self, message, category, filename, lineno, file=None, line=None) -> None:
-        frames = [
-            f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename
-        ]
-        site = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:])
-        self.sites[site] = self.sites.get(site, 0) + 1
-
-
-class HostProfile:
-    """Where time goes in the timed steps: cProfile of the host (``--host-profile``) and the device's kernels by
-    total time (``--kernel-profile``)."""
-
-    def __init__(self, host: bool, kernels: bool, steps: int):
-        self.cprofile = cProfile.Profile() if host else None
-        self.kernels = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if kernels else None
-        self.steps = steps
-
-    def start(self) -> None:
-        if self.cprofile:
-            self.cprofile.enable()
-        if self.kernels:
-            self.kernels.__enter__()
-
-    def stop(self) -> None:
-        if self.cprofile:
-            self.cprofile.disable()
-        if self.kernels:
-            self.kernels.__exit__(None, None, None)
-
-    def top(self, count: int = 20) -> List[str]:
-        lines = []
-        if self.cprofile:
-            stats = pstats.Stats(self.cprofile)
-            rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:count]  # by own time
-            lines += [
-                f"{own / self.steps * 1e3:7.3f} ms/step own, {cumulative / self.steps * 1e3:7.3f} cum: "
-                f"{Path(file).name}:{line} {name}"
-                for (file, line, name), (_, _, own, cumulative, _) in rows
-            ]
-        if self.kernels:
-            events = [e for e in self.kernels.key_averages() if e.device_time_total > 0]
-            total = sum(e.device_time_total for e in events)
-            lines.append(f"device time {total / self.steps / 1e3:.3f} ms/step in {len(events)} kernels")
-            for event in sorted(events, key=lambda e: -e.device_time_total)[:count]:
-                per_step = event.device_time_total / self.steps / 1e3
-                lines.append(f"{per_step:7.3f} ms/step x{event.count // self.steps}: {event.key[:90]}")
-        return lines
 
 
 def make_batches(config: GPTConfig, batch_size: int, count: int) -> List[torch.Tensor]:
@@ -282,22 +204,18 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
             background.poll()
         losses.append(train(batches[index % len(batches)]).clone())  # a CUDA-graph output is overwritten by a replay
 
-    syncs = SyncRecorder(args.sync_debug)
-    host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
-    collections = GcRecorder(args.gc)
+    collections = GcRecorder()
     times = common.first_warm_timed(
         device, step, args.warmup, args.steps, lambda: background is not None and not background.installed,
-        args.max_eager_steps, outer=[collections], inner=[syncs, host],
+        args.max_eager_steps, outer=[collections],
     )  # fmt: skip
     host_timer = common.HostTimer(device)
     for index in range(times["next_step"], times["next_step"] + args.host_steps + 1):
         host_timer.step_start()
         step(index)
     synchronize(device)
-    result = finish(times, args, config, device, flops, losses)
-    result["host_ms"] = host_timer.median_ms()
-    extra = background_result(background) | collections.result()
-    return result | extra | {"syncs": syncs.sites, "host_profile": host.top()}
+    result = finish(times, args, config, device, flops, losses) | {"host_ms": host_timer.median_ms()}
+    return result | background_result(background) | collections.result()
 
 
 def background_result(background: Any) -> Dict[str, Any]:
@@ -340,20 +258,15 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     from compile_trainer.lightning.callback import CompileCallback
 
     class StepClock(pl.Callback):
-        """Times ``args.steps`` steps after ``args.warmup``, counted from the first step (or, with a background
-        compile, from the first step that runs compiled), then the host time of ``args.host_steps`` steps, then
-        stops the Trainer."""
+        """``args.steps`` timed steps after ``args.warmup`` (counted from the first step that runs compiled), then
+        the host time of ``args.host_steps`` steps; then stops the Trainer."""
 
         def __init__(self):
-            self.timer = StepTimer(device)
+            self.timer, self.host_timer, self.collections = StepTimer(device), common.HostTimer(device), GcRecorder()
             self.started: Any = None
             self.first_step = self.window = 0.0
             self.timed_from: Optional[int] = None  # the first timed batch index
             self.losses: List[torch.Tensor] = []
-            self.syncs = SyncRecorder(args.sync_debug)
-            self.host = HostProfile(args.host_profile, args.kernel_profile, args.steps)
-            self.host_timer = common.HostTimer(device)
-            self.collections = GcRecorder(args.gc)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             background = compile_callback.background
@@ -364,9 +277,6 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if batch_idx in (0, self.timed_from):
                 synchronize(device)
                 self.wall = time.perf_counter()
-            if batch_idx == self.timed_from:
-                self.syncs.start()
-                self.host.start()
             timed = self.timed_from is not None and self.timed_from <= batch_idx < self.timed_from + args.steps
             self.started = self.timer.start() if timed else None
             if self.timed_from is not None and batch_idx >= self.timed_from + args.steps:
@@ -380,8 +290,6 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
                 synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
             if self.timed_from is not None and batch_idx == self.timed_from + args.steps - 1:
-                self.host.stop()
-                self.syncs.stop()
                 synchronize(device)
                 self.window = time.perf_counter() - self.wall
                 self.collections.stop()
@@ -392,24 +300,18 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     batches = make_batches(config, args.batch_size, 8)
     flops = measure_flops(module.model.to(device), batches[0].to(device), device.type == "cuda")
     windows = [(b[:, :-1], b[:, 1:]) for b in batches]
-    if args.lightning_data == "device":  # already on the GPU: no pinning thread, no host-to-device copy
-        windows = [(x.to(device), y.to(device)) for x, y in windows]
     most_steps = args.warmup + args.steps + args.host_steps + 1 + args.max_eager_steps
-    loader = DataLoader(
-        [pair for _ in range(math.ceil(most_steps / len(windows))) for pair in windows],
-        batch_size=None,
-        shuffle=False,
-        pin_memory=device.type == "cuda" and args.lightning_data == "pinned",
-    )
+    repeated = [pair for _ in range(math.ceil(most_steps / len(windows))) for pair in windows]
+    loader = DataLoader(repeated, batch_size=None, shuffle=False, pin_memory=device.type == "cuda")
     compile_callback = CompileCallback(policy_for(variant, args.backend), print_plan=False)
     clock = StepClock()
+    step_as = VARIANTS[variant].step
     trainer = common.quiet_trainer(
         device,
         max_steps=most_steps,
         log_every_n_steps=50,
         precision="bf16-mixed" if device.type == "cuda" else "32-true",
-        callbacks=[clock, compile_callback]
-        + ([optimizer_step_as(VARIANTS[variant].step)] if VARIANTS[variant].step != "optimizer" else []),
+        callbacks=[clock, compile_callback] + ([optimizer_step_as(step_as)] if step_as != "optimizer" else []),
         **dict(VARIANTS[variant].trainer),
     )
     if device.type == "cuda":
@@ -418,126 +320,103 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     seconds = clock.timer.seconds()
     times = {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": clock.window}
     result = finish(times | {"first_step_s": clock.first_step}, args, config, device, flops, clock.losses)
-    result["host_ms"] = clock.host_timer.median_ms()
-    extra = background_result(compile_callback.background) | clock.collections.result()
+    result |= {"host_ms": clock.host_timer.median_ms()} | clock.collections.result()
     choices = [step.choice.describe() for step in compile_callback.optimizer_steps if step.choice]
-    extra |= {"optimizer_choice": choices[0]} if choices else {}
-    return result | extra | {"syncs": clock.syncs.sites, "host_profile": clock.host.top()}
+    return (
+        result | background_result(compile_callback.background) | ({"optimizer_choice": choices[0]} if choices else {})
+    )
 
 
 def finish(times, args, config, device, flops, losses) -> Dict[str, Any]:
     from torch._dynamo.utils import calculate_time_spent, counters
 
-    steps, step_time, window = args.steps, times["step_s"], times["window_s"]
-    tokens = args.batch_size * config.block_size
-    peak = common.peak_flops(device)
+    step_time, tokens, peak = times["step_s"], args.batch_size * config.block_size, common.peak_flops(device)
     return {
         "first_step_s": times["first_step_s"],
         "step_ms": step_time * 1e3,
         "slowest_step_ms": times["slowest_step_s"] * 1e3,
-        "tokens_per_s": tokens * steps / window,
+        "tokens_per_s": tokens * args.steps / times["window_s"],
         "tflops": flops / step_time / 1e12,
         "mfu": flops / step_time / peak if peak else None,
         "peak_mem_gib": common.peak_memory_gib(device),
         "graphs": counters["stats"]["unique_graphs"],
         "recompile_reasons": common.recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
-        "compile_time_breakdown_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
+        "compile_breakdown": {k: round(v, 2) for k, v in calculate_time_spent().items()},
     }
 
 
-def run_worker(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
+def measure(args: argparse.Namespace) -> Dict[str, Any]:
     device = common.device_for(args.smoke)
     config = SMOKE if args.smoke else GPT2_SMALL
-    runner = run_raw if VARIANTS[variant].loop == "raw" else run_lightning
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    return runner(variant, args, config, device)
+    runner = run_raw if VARIANTS[args.variant].loop == "raw" else run_lightning
+    return runner(args.variant, args, config, device)
 
 
-def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
-    """One variant in a fresh process with empty compile caches (``--repeats`` times: medians and spread)."""
-    log = args.out.with_name(f"{args.out.stem}.{variant}.log")
-    runs = [
-        common.run_fresh(__file__, ["--worker", variant, *args.passthrough], args.variant_timeout, log=log)
-        for _ in range(getattr(args, "repeats", 1))
+def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """One run per named variant; a variant named again is another run: ``variant#2``."""
+    names = [
+        f"{v}#{args.variants[:i].count(v) + 1}" if v in args.variants[:i] else v for i, v in enumerate(args.variants)
     ]
-    return common.repeated(runs, TIMED)
+    return [
+        {"variant": name, "loop": VARIANTS[v].loop, "compiled": VARIANTS[v].how, "_variant": v}
+        for name, v in zip(names, args.variants)
+    ]
 
 
-def summarize(results: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
-    eager = results.get("eager", {})
-    rows = []
-    for run, result in results.items():
-        variant = run.split("#")[0]
-        row: Dict[str, Any] = {"variant": run, "loop": VARIANTS[variant].loop, "compiled": VARIANTS[variant].how}
-        if "error" in result:
-            rows.append(row | {"error": result["error"]})
-            continue
-        row |= {
-            k: v for k, v in result.items() if k not in ("losses", "process_s", "compile_time_breakdown_s", "syncs")
-        }
-        row["syncs_in_timed_steps"] = result.get("syncs")
-        row["host_profile"] = result.get("host_profile")
-        row["compile_breakdown"] = result.get("compile_time_breakdown_s")
-        if "losses" in eager:
-            row["loss_rel_diff_vs_eager"] = common.rel_diff(result["losses"], eager["losses"])
-        rows.append(row)
+def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    eager = next((row for row in rows if row["variant"] == "eager" and "losses" in row), None)
+    for row in rows:
+        if eager and "losses" in row:
+            row["loss_rel_diff_vs_eager"] = common.rel_diff(row["losses"], eager["losses"])
     common.add_ratio(rows, "speedup_vs_eager", "tokens_per_s", lambda row: row["variant"] == "eager")
     for column, name in (("tokens_per_s", "throughput"), ("first_step_s", "first_step")):
         common.add_ratio(rows, f"{name}_vs_torch_compile", column, lambda row: row["variant"] == "torch_compile")
     return rows
 
 
-# Timings that --repeats reports as medians with their spread.
-TIMED = ("first_step_s", "step_ms", "host_ms", "slowest_step_ms", "tokens_per_s", "tflops", "mfu", "compiled_after_s")
-COLUMNS = """variant loop first_step_s step_ms host_ms slowest_step_ms tokens_per_s speedup_vs_eager
-throughput_vs_torch_compile first_step_vs_torch_compile compiled_after_s eager_steps tflops mfu peak_mem_gib graphs
-gc_collections gc_pause_ms loss_rel_diff_vs_eager error""".split()
+def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
+    block = (SMOKE if args.smoke else GPT2_SMALL).block_size
+    repeats = f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else ""
+    return [
+        f"batch {args.batch_size} x {block} tokens, {args.steps} timed steps after {args.warmup}; backend "
+        f"{args.backend}; fresh compile caches per variant{repeats}"
+    ]
 
 
-def main() -> None:
-    smoke = "tiny model on the CPU with aot_eager"
-    parser = common.arguments(
-        __doc__, "train_step", smoke, steps=200, warmup=5, backend="inductor", variant_timeout=300
-    )
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (medians and spread)")
-    parser.add_argument("--max-eager-steps", type=int, default=5000, help="background compile: most eager steps")
-    parser.add_argument("--host-steps", type=int, default=10, help="steps after the timed ones timing the host alone")
-    parser.add_argument("--gc", choices=["auto", "freeze"], default="auto", help="Python's GC in the timed steps")
-    parser.add_argument("--sync-debug", action="store_true", help="count device syncs in the timed steps (CUDA)")
-    parser.add_argument("--host-profile", action="store_true", help="cProfile the host over the timed steps")
-    parser.add_argument("--kernel-profile", action="store_true", help="device kernels by time over the timed steps")
-    parser.add_argument("--lightning-data", choices=["pinned", "pageable", "device"], default="pinned")
-    parser.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for the worker (GIL sharing)")
-    common.hidden(parser, "--worker", choices=list(VARIANTS))
-    args = parser.parse_args()
-    if args.smoke:
-        args.steps, args.warmup, args.batch_size, args.backend = min(args.steps, 3), 2, 2, "aot_eager"
-        args.host_steps = min(args.host_steps, 2)
-    if args.worker:
-        if args.switch_interval:
-            sys.setswitchinterval(args.switch_interval)
-        return common.worker(args.worker_out, lambda: run_worker(args.worker, args), args.variant_timeout)
-    args.passthrough = sys.argv[1:]  # the worker reads this command's settings
-    results: Dict[str, Dict[str, Any]] = {}
-    title = "Training step: eager, torch.compile, peers and policies"
-    for index, variant in enumerate(args.variants):
-        repeat = args.variants[:index].count(variant)  # a variant named again is another run: "variant#2"
-        run = f"{variant}#{repeat + 1}" if repeat else variant
-        results[run] = run_variant(variant, args)
-        print(f"{run}: {json.dumps(results[run])[:300]}", flush=True)
-        rows = summarize(results)
-        notes = [
-            f"batch {args.batch_size} x {(SMOKE if args.smoke else GPT2_SMALL).block_size} tokens, "
-            f"{args.steps} timed steps after {args.warmup}; backend {args.backend}; fresh compile caches per variant"
-            + (f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else "")
-        ]
-        common.write_result(args.out, "train_step", title, COLUMNS, rows, notes)
-    common.print_table(COLUMNS, rows, baseline="eager (speedup), torch_compile (throughput_vs_*, first_step_vs_*)")
-
+BENCHMARK = common.Benchmark(
+    name="train_step",
+    title="Training step: eager, torch.compile, peers and policies",
+    columns="""variant loop first_step_s step_ms host_ms slowest_step_ms tokens_per_s speedup_vs_eager
+    throughput_vs_torch_compile first_step_vs_torch_compile compiled_after_s eager_steps tflops mfu peak_mem_gib graphs
+    gc_collections gc_pause_ms loss_rel_diff_vs_eager error""".split(),
+    runs=runs,
+    measure=measure,
+    shared=dict(steps=200, warmup=5, backend="inductor", variant_timeout=300, repeats=1),
+    options={
+        "--variants": dict(nargs="+", default=list(VARIANTS), choices=list(VARIANTS)),
+        "--batch-size": dict(type=int, default=8),
+        "--max-eager-steps": dict(type=int, default=5000, help="background compile: most eager steps"),
+        "--host-steps": dict(type=int, default=10, help="steps after the timed ones timing the host alone"),
+    },
+    smoke=dict(steps=3, warmup=2, batch_size=2, backend="aot_eager", host_steps=2),
+    smoke_help="tiny model on the CPU with aot_eager",
+    finish=summarize,
+    notes=notes,
+    timed=(
+        "first_step_s",
+        "step_ms",
+        "host_ms",
+        "slowest_step_ms",
+        "tokens_per_s",
+        "tflops",
+        "mfu",
+        "compiled_after_s",
+    ),
+    baseline="eager (speedup), torch_compile (throughput_vs_*, first_step_vs_*)",
+)
 
 if __name__ == "__main__":
-    main()
+    common.main(BENCHMARK, __doc__)

@@ -113,15 +113,20 @@ def test_ratios_repeats_and_the_side_by_side_table(capsys):
 
 def test_every_script_s_command_line_shares_the_harness_s_flags():
     parser = common.arguments("a benchmark", "bench")
-    common.hidden(parser, "--worker")
-    args = parser.parse_args(["--smoke", "--worker", "eager"])
-    assert args.out == common.RESULTS / "bench.json" and args.smoke and args.worker == "eager"
-    assert args.worker_out is None and "--worker" not in parser.format_help()
+    args = parser.parse_args(["--smoke"])
+    assert args.out == common.RESULTS / "bench.json" and args.smoke and args.worker_out is None
     assert common.arguments(None).parse_args(["--out", "x.json"]).out.name == "x.json", "no headline: --out given"
     shared = common.arguments("a benchmark", "bench", steps=200, variant_timeout=300).parse_args(["--steps", "5"])
     assert shared.steps == 5 and shared.variant_timeout == 300, "the shared flags: given, or the script's default"
-    worker = common.flags(worker=True, steps=4, backend=None, smoke=False, cache_dir="x/y")
-    assert worker == ["--worker", "--steps", "4", "--cache-dir", "x/y"], "none for None or False, a bare one for True"
+    bench = common.Benchmark(
+        "bench", "A benchmark", ["variant"], runs=lambda args: [], measure=lambda args: {}, shared=dict(steps=200),
+        options={"--batch": dict(type=int, default=8)}, smoke=dict(steps=3, batch=2),
+    )  # fmt: skip
+    args = common.parse(bench, "a benchmark", ["--worker", '{"variant": "eager", "_cache": "x"}'])
+    assert (args.steps, args.batch, args.worker) == (200, 8, {"variant": "eager", "_cache": "x"})
+    assert common.run_args(args, args.worker).variant == "eager" and args.cache == "x", "a run's fields, _ dropped"
+    smoke = common.parse(bench, "a benchmark", ["--smoke", "--batch", "4"])
+    assert (smoke.steps, smoke.batch) == (3, 4), "--smoke's defaults; a flag given still wins"
 
 
 def test_a_training_run_s_steps_each_run_once_in_order():
