@@ -12,6 +12,10 @@ from compile_trainer import apply_policy, to_policy
 from tests.test_real_models import CLASSIFIER, fit, regional
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+BLOCKS_ONLY = {
+    "backend": "aot_eager",
+    "rules": [{"name": "*", "action": "regional", "rest": "eager"}],
+}  # the code around the blocks eager
 
 
 class Block(nn.Module):
@@ -65,9 +69,7 @@ def test_a_promoted_input_is_upcast_only_where_the_outputs_stay_equal(inexact):
     model = Stage(inexact)
     reference = copy.deepcopy(model)
     expected, expected_rng = train(reference)
-    applied = apply_policy(
-        model, to_policy({"backend": "aot_eager", "rules": [{"name": "*", "action": "regional", "rest": "eager"}]})
-    )
+    applied = apply_policy(model, to_policy(BLOCKS_ONLY))
     before = counters["stats"]["unique_graphs"]
     losses, rng = train(model)
     graphs = counters["stats"]["unique_graphs"] - before
@@ -100,3 +102,19 @@ def test_convnext_stages_compile_one_graph_each_under_bf16_mixed_like_eager():
     stages = callback.telemetry.compile.regions
     assert len(stages) == 4 and all((s.compiles, s.graphs) == (2, 2) for s in stages.values()), stages
     assert sum("upcast to float32" in note for note in callback.applied.notes) == 4
+
+
+def test_a_block_with_forward_hooks_is_not_checked_so_its_inputs_stay_as_they_come():
+    """The check calls the block's forward without its hooks (FSDP's all-gather is one): not the same call."""
+    torch.manual_seed(1)
+    model = Stage()
+    reference = copy.deepcopy(model)
+    calls = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, output: calls.append(1))
+    expected, _ = train(reference)
+    applied = apply_policy(model, to_policy(BLOCKS_ONLY))
+    losses, _ = train(model)
+    assert losses == pytest.approx(expected, rel=1e-2)
+    assert len(calls) == 9, "each hook ran once a call, as in eager training"
+    assert not [note for note in applied.notes if "upcast to float32" in note]

@@ -9,10 +9,12 @@ ConvNeXt-T, 3 of the 7 graphs and about a third of the regional compile (H200, 2
 call under autocast. If that call has a bfloat16 or float16 floating input, it runs eagerly (it is the step's own
 computation, run once), and where every floating output is float32 the block's ``forward`` runs once more, without
 gradients, on the inputs upcast to float32: same random-number state, its buffers restored after, the FLOPs count
-and any other dispatch mode off. Outputs equal bit for bit: from then on such inputs are upcast before the call,
-so the entry compiles for float32 only. Otherwise calls go on as they come (a graph per dtype). The upcast changes
-nothing in the forward (checked on the call itself); in the backward the input's gradient is summed in float32 and
-rounded once, where eager autograd sums it in the input's dtype.
+and any other dispatch mode off (the block's own code once more, once per shared entry; not where the block or a
+module in it has forward hooks, which that call would skip). Outputs equal bit for bit: from then on such inputs
+are upcast before the call, so the entry compiles for float32 only. Otherwise, or if the check raises, calls go on
+as they come (a graph per dtype). The upcast changes nothing in the forward (checked on the call itself); in the
+backward the input's gradient is summed in float32 and rounded once, where eager autograd sums it in the input's
+dtype.
 """
 
 from __future__ import annotations
@@ -80,14 +82,17 @@ class PromotedInputs:
         before = _random_state(devices)
         output = compat.call_uncompiled(module, *args, **kwargs)
         outputs = _floating(output)
-        if not outputs or any(t.dtype != torch.float32 for t in outputs):
-            return output, False
+        if not outputs or any(t.dtype != torch.float32 for t in outputs) or _has_hooks(module):
+            return output, False  # a forward without its hooks (FSDP's all-gather, say) would not be the same call
         after = _random_state(devices)
         buffers = [(b, b.clone()) for b in module.buffers()]
         try:
             _set_random_state(before, devices)
             with torch.no_grad(), compat.outside_dispatch_modes():
                 again = _floating(module.forward(*_upcast(args), **_upcast(kwargs)))
+        except Exception as error:  # noqa: BLE001 - the check failing is a "no", never the step's failure
+            log.info("%s: inputs not upcast, the check failed: %r", type(module).__name__, error)
+            return output, False
         finally:
             _set_random_state(after, devices)
             with torch.no_grad():
@@ -97,6 +102,10 @@ class PromotedInputs:
             a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(outputs, again)
         )
         return output, equal
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return any(getattr(m, hooks) for m in module.modules() for hooks in ("_forward_pre_hooks", "_forward_hooks"))
 
 
 def _is_cuda(value: Any) -> bool:
