@@ -23,7 +23,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 EXPERIMENTS = "experiments"
 # Headline sections in this order; other headline files follow alphabetically, then the sweeps.
-HEADLINE_ORDER = "train_step real_models compile_cache optimizer dynamic_shapes telemetry_overhead cuda_graph_checks"
+HEADLINE_ORDER = "real_models real_models_as_configured hf_varlen lightning_dropin distributed"
 HEADLINE_ORDER = HEADLINE_ORDER.split()
 # Experiment sections grouped by question, in this order; other experiment files follow, newest first.
 EXPERIMENT_ORDER = [
@@ -307,14 +307,13 @@ def main() -> None:
         "What the numbers mean and what was decided from them: docs/regional.md, docs/optimizer.md,",
         "docs/dynamic_shapes.md, docs/telemetry.md, docs/sweep_gpt2_small.md.",
         "",
-        "Adding a benchmark: a script in `benchmarks/` holds its variants (`name@key=value` for an",
-        "experiment on a bundled policy: `split_variant`) and a function that measures one variant, its models in",
-        "`benchmarks/models.py` (shared by every benchmark, with their FLOP count); the harness in",
-        "`benchmarks/common.py` runs each variant in a fresh process with empty Inductor/Triton caches (`run_fresh`",
-        "and, in the process, `worker`), times steps (`StepTimer`, medians and spread over `repeated` runs), writes",
-        "the result file (`write_result`: meta with device, versions, date, command and git commit) and prints it",
-        "side by side with ratios against a baseline (`add_ratio`, `print_table`). A headline measured on an older",
-        "definition of a bundled policy moves to `experiments/` with a `changed_since` note.",
+        "Adding a benchmark: a script in `benchmarks/` declares a `common.Benchmark` (its runs, its own flags, the",
+        "function that measures one run; `name@key=value` variants for an experiment on a bundled policy:",
+        "`split_variant`) and calls `common.main`, which parses the shared flags, runs each run in a fresh process",
+        "with empty Inductor/Triton caches (`--repeats`: medians and spread, `repeated`), writes the result file",
+        "(meta with device, versions, date, command and git commit) and prints it side by side with ratios",
+        "(`add_ratio`). Models live in `benchmarks/models.py` (shared, with their FLOP count). A headline measured on",
+        "an older definition of a bundled policy moves to `experiments/` with a `changed_since` note.",
         "",
         f"- [Headlines](#headlines): one section per benchmark, its latest full run (`{shown}/<benchmark>.json`,",
         f"  a sweep's runs in `{shown}/<sweep>/`).",
