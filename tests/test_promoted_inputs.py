@@ -118,3 +118,18 @@ def test_a_block_with_forward_hooks_is_not_checked_so_its_inputs_stay_as_they_co
     assert losses == pytest.approx(expected, rel=1e-2)
     assert len(calls) == 9, "each hook ran once a call, as in eager training"
     assert not [note for note in applied.notes if "upcast to float32" in note]
+
+
+def test_outside_autocast_inputs_are_never_upcast():
+    """A model cast to bfloat16 whole after its blocks' inputs were upcast under autocast keeps its inputs' dtype."""
+    torch.manual_seed(1)
+    model = Stage().eval()
+    reference = copy.deepcopy(model).bfloat16()
+    applied = apply_policy(model, to_policy(BLOCKS_ONLY))
+    with torch.no_grad(), torch.autocast(**AUTOCAST):
+        model(torch.randn(4, 16))
+    assert [note for note in applied.notes if "upcast to float32" in note], "decided under autocast"
+    model.bfloat16()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))  # bfloat16 in, as eager (upcast, it would raise)

@@ -10,11 +10,11 @@ call under autocast. If that call has a bfloat16 or float16 floating input, it r
 computation, run once), and where every floating output is float32 the block's ``forward`` runs once more, without
 gradients, on the inputs upcast to float32: same random-number state, its buffers restored after, the FLOPs count
 and any other dispatch mode off (the block's own code once more, once per shared entry; not where the block or a
-module in it has forward hooks, which that call would skip). Outputs equal bit for bit: from then on such inputs
-are upcast before the call, so the entry compiles for float32 only. Otherwise, or if the check raises, calls go on
-as they come (a graph per dtype). The upcast changes nothing in the forward (checked on the call itself); in the
-backward the input's gradient is summed in float32 and rounded once, where eager autograd sums it in the input's
-dtype.
+module in it has forward hooks, which that call would skip). Outputs equal bit for bit: from then on, under
+autocast, such inputs are upcast before the call, so the entry compiles for float32 only. Otherwise, or if the
+check raises, calls go on as they come (a graph per dtype). The upcast changes nothing in the forward (checked on
+the call itself); in the backward the input's gradient is summed in float32 and rounded once, where eager
+autograd sums it in the input's dtype.
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ class PromotedInputs:
 
     def __call__(self, item: Any, proceed: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         decided = self.upcast.get(item.entry_key)
-        if decided:
-            return proceed(*_upcast(args), **_upcast(kwargs))
-        if decided is not None or item.entry_key not in self.entries:
+        if decided is False or item.entry_key not in self.entries:
             return proceed(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):
-            return proceed(*args, **kwargs)  # decided at the first call under autocast
+            return proceed(*args, **kwargs)  # only under autocast (a model cast to bf16 whole keeps its inputs)
+        if decided:
+            return proceed(*_upcast(args), **_upcast(kwargs))
         if not any(_low_precision(t) for t in tensors):
             self.upcast[item.entry_key] = False
             return proceed(*args, **kwargs)
