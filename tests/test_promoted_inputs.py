@@ -2,6 +2,8 @@
 graph for the shared entry where the block promotes that input anyway, and only there."""
 
 import copy
+import json
+import socket
 
 import pytest
 import torch
@@ -133,3 +135,28 @@ def test_outside_autocast_inputs_are_never_upcast():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))  # bfloat16 in, as eager (upcast, it would raise)
+
+
+def _decide_on_rank(rank, world_size, port, out):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(1)
+        model = Stage(inexact=rank == 1).eval()  # rank 1's blocks round in bfloat16: its check says no
+        applied = apply_policy(model, to_policy(BLOCKS_ONLY))
+        with torch.no_grad(), torch.autocast(**AUTOCAST):
+            model(torch.randn(4, 16))
+        (out / f"{rank}.json").write_text(json.dumps([n for n in applied.notes if "upcast to float32" in n]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_torch_distributed_the_ranks_decide_together(tmp_path):
+    """Rank 0 alone would upcast; with rank 1 saying no, neither does (each would compile other graphs, and with
+    compiler collectives wait for the other's)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    torch.multiprocessing.spawn(_decide_on_rank, args=(2, port, tmp_path), nprocs=2)
+    assert [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)] == [[], []]

@@ -66,10 +66,10 @@ class PromotedInputs:
         if decided:
             return proceed(*_upcast(args), **_upcast(kwargs))
         if not any(_low_precision(t) for t in tensors):
-            self.upcast[item.entry_key] = False
+            self.upcast[item.entry_key] = _on_every_rank(False)
             return proceed(*args, **kwargs)
         output, equal = self._run_and_compare(item.region.module, args, kwargs)
-        self.upcast[item.entry_key] = equal
+        equal = self.upcast[item.entry_key] = _on_every_rank(equal)
         if equal:
             log.info("%s: lower-precision inputs upcast to float32 (the block promotes them)", item.region.name)
             self.on_upcast(item.region.name)
@@ -102,6 +102,20 @@ class PromotedInputs:
             a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.detach(), b) for a, b in zip(outputs, again)
         )
         return output, equal
+
+
+def _on_every_rank(upcast: bool) -> bool:
+    """Under torch.distributed, the ranks decide together (upcast where every rank's check agreed): a rank whose
+    entry compiled a graph per dtype where the others compiled one would compile graphs they never do, and with
+    compiler collectives the others would wait for it. Every rank makes each entry's decision at the same call."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return upcast
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    agreed = torch.tensor([int(upcast)], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
