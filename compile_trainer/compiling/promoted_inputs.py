@@ -38,7 +38,7 @@ def _low_precision(value: Any) -> bool:
 
 
 def _upcast(tree: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype in LOW_PRECISION else t, tree)
+    return tree_map_only(torch.Tensor, lambda t: t.float() if _low_precision(t) else t, tree)
 
 
 def _floating(tree: Any) -> List[torch.Tensor]:
@@ -68,7 +68,7 @@ class PromotedInputs:
         if not any(_low_precision(t) for t in tensors):
             self.upcast[item.entry_key] = _on_every_rank(False)
             return proceed(*args, **kwargs)
-        output, equal = self._run_and_compare(item.region.module, args, kwargs)
+        output, equal = self._run_and_compare(item.region.module, args, kwargs, tensors)
         equal = self.upcast[item.entry_key] = _on_every_rank(equal)
         if equal:
             log.info("%s: lower-precision inputs upcast to float32 (the block promotes them)", item.region.name)
@@ -76,9 +76,12 @@ class PromotedInputs:
         return output
 
     @staticmethod
-    def _run_and_compare(module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, bool]:
-        """The call itself (eagerly), and whether the block's forward on upcast inputs gives equal outputs."""
-        devices = sorted({t.device.index or 0 for t in tree_leaves((args, kwargs)) if _is_cuda(t)})
+    def _run_and_compare(
+        module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], tensors: List[torch.Tensor]
+    ) -> Tuple[Any, bool]:
+        """The call itself (eagerly), and whether the block's forward on upcast inputs gives equal outputs;
+        ``tensors``: the call's tensors (their CUDA devices' random states are kept)."""
+        devices = sorted({t.device.index for t in tensors if t.is_cuda})
         before = _random_state(devices)
         output = compat.call_uncompiled(module, *args, **kwargs)
         outputs = _floating(output)
@@ -125,10 +128,6 @@ def _on_every_rank(upcast: bool) -> bool:
 
 def _has_hooks(module: torch.nn.Module) -> bool:
     return any(getattr(m, hooks) for m in module.modules() for hooks in ("_forward_pre_hooks", "_forward_hooks"))
-
-
-def _is_cuda(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_cuda
 
 
 def _random_state(devices: List[int]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
