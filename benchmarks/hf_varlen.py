@@ -72,13 +72,15 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 
 def variant_policy(variant: str) -> Tuple[str, Dict[str, str]]:
     """A variant's bundled policy and its overrides: ``dynamic@rest=outer@mode=reduce-overhead`` replaces every
-    rule's ``rest`` (or ``@action``) and the policy's ``mode``; ``@pad=64`` pads lengths to multiples of 64 (ids 0,
-    labels -100, the mask ``@mask_pad``, default 0; 1 keeps a causal model's mask all ones)."""
+    rule's ``rest`` (or ``@action``) and the policy's ``mode``; ``@lowering=thread`` its ``background_lowering``;
+    ``@pad=64`` pads lengths to multiples of 64 (ids 0, labels -100, the mask ``@mask_pad``, default 0; 1 keeps a
+    causal model's mask all ones)."""
     name, overrides = common.split_variant(variant)
-    unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad"}
+    unknown = set(overrides) - {"action", "rest", "mode", "pad", "mask_pad", "lowering"}
     if name not in VARIANTS or unknown:
         raise argparse.ArgumentTypeError(
-            f"variant {variant!r}: one of {VARIANTS}, then @action=..., @rest=..., @mode=..., @pad=N, @mask_pad=0|1"
+            f"variant {variant!r}: one of {VARIANTS}, then @action=..., @rest=..., @mode=..., @lowering=..., "
+            "@pad=N, @mask_pad=0|1"
         )
     return name, overrides
 
@@ -102,6 +104,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> Dict[str, Any]:
             overrides["shapes"] = {"pad": {"buckets": [b * args.max_length // 1024 for b in FIXED_BUCKETS]}}
         if name == "buckets_auto":
             overrides["shapes"] = {"pad": {"max": args.max_length}}
+        if "lowering" in changes:
+            overrides["background_lowering"] = changes["lowering"]
         if "mode" in changes:
             overrides["mode"] = None if changes["mode"] == "null" else changes["mode"]
         if "pad" in changes:

@@ -11,16 +11,19 @@ Supported: torch >= 2.9 (checked on 2.9.1, 2.13.0 on the CPU; 2.11.0 on an H100)
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import os
 import re
+import threading
 import types
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -500,6 +503,142 @@ def warm_compile_workers() -> None:
     from torch._inductor.async_compile import maybe_warm_pool
 
     maybe_warm_pool()
+
+
+@dataclass
+class SubprocessLowerings:
+    """What ``lowering_in_subprocess`` did with the graphs Inductor lowered: in its subprocess, or here (with why)."""
+
+    in_subprocess: int = 0
+    here: Dict[str, int] = field(default_factory=dict)  # reason -> graphs
+
+    def lowered_here(self, reason: str) -> None:
+        self.here[reason] = self.here.get(reason, 0) + 1
+
+
+_lowering = threading.local()
+# Op namespaces that torch itself registers at import, so the spawned subprocess has them too. Inductor's own
+# pickler allows aten and fbgemm only; prims (an ``arange``'s iota) and Inductor's ops are in most training graphs.
+_TORCH_OP_NAMESPACES = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.inductor.", "torch.ops.fbgemm.")
+
+
+def _ops_filter(name: str) -> bool:
+    if getattr(_lowering, "stats", None) is not None:
+        return name.startswith(_TORCH_OP_NAMESPACES)
+    from torch.fx._graph_pickler import _ops_filter_safe
+
+    return _ops_filter_safe(name)
+
+
+def _lower_in_subprocess(gm: Any, example_inputs: Any, inputs_to_check: Any, graph_kwargs: Dict[str, Any]) -> Any:
+    """Inductor's ``_SerializedFxCompile.codegen_and_compile`` on its subprocess scheme, lowering here where the
+    graph does not pickle or the subprocess fails (Inductor would raise)."""
+    from torch._inductor.compile_fx import _InProcessFxCompile
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+    from torch._inductor.output_code import CompiledFxGraph
+
+    stats: SubprocessLowerings = _lowering.stats
+    region = graph_kwargs.pop("compile_region_name", None)
+    scheme = _SubprocessFxCompile()
+    serialized = scheme.serialize_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
+    if serialized is not None:
+        pickled, constants = serialized
+        try:
+            output = scheme._send_to_child(pickled).deserialize(constants)
+        except Exception as error:  # noqa: BLE001 - the graph is lowered here instead, and the reason kept
+            stats.lowered_here(f"the subprocess failed: {type(error).__name__}")
+        else:
+            if isinstance(output.graph, CompiledFxGraph):
+                output.graph.compile_region_name = region
+            scheme._postprocess(output)
+            stats.in_subprocess += 1
+            return output.graph
+    else:
+        error = getattr(_lowering, "pickle_error", None)
+        _lowering.pickle_error = None
+        stats.lowered_here(f"the graph does not pickle ({error})" if error else "the graph does not pickle")
+    here = _InProcessFxCompile()
+    here.compile_region_name = region
+    return here.codegen_and_compile(gm, example_inputs, inputs_to_check, graph_kwargs)
+
+
+def _install_subprocess_lowering() -> None:
+    """Route ``fx_codegen_and_compile`` (Inductor's lowering of one AOT graph; checked 2.9.1-2.14.1) through
+    ``_lower_in_subprocess`` on threads inside ``lowering_in_subprocess``; other threads call it as before."""
+    import torch._inductor.compile_fx as compile_fx
+    import torch.fx._graph_pickler as graph_pickler
+
+    if getattr(compile_fx.fx_codegen_and_compile, "_compile_trainer_lowering", False):
+        return
+    original = compile_fx.fx_codegen_and_compile
+
+    def fx_codegen_and_compile(gm: Any, example_inputs: Any, inputs_to_check: Any, **graph_kwargs: Any) -> Any:
+        if getattr(_lowering, "stats", None) is None:
+            return original(gm, example_inputs, inputs_to_check, **graph_kwargs)
+        return _lower_in_subprocess(gm, example_inputs, inputs_to_check, graph_kwargs)
+
+    fx_codegen_and_compile._compile_trainer_lowering = True
+    compile_fx.fx_codegen_and_compile = fx_codegen_and_compile
+    # GraphPickler's Options() defaults to the aten-only filter (the default is bound at class creation)
+    defaults = list(graph_pickler.Options.__init__.__defaults__)
+    defaults[0] = _ops_filter
+    graph_pickler.Options.__init__.__defaults__ = tuple(defaults)
+
+
+def subprocess_lowering_problem() -> Optional[str]:
+    try:
+        import torch._inductor.compile_fx as compile_fx
+        import torch.fx._graph_pickler as graph_pickler
+        from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+    except ImportError as error:
+        return f"needs Inductor's subprocess compile (torch._inductor.compile_fx_subproc), missing: {error}"
+    fields = [f.name for f in dataclasses.fields(graph_pickler.Options)]
+    if not hasattr(compile_fx, "fx_codegen_and_compile") or fields[:1] != ["ops_filter"]:
+        return f"needs Inductor's fx_codegen_and_compile and GraphPickler's ops_filter (torch {torch.__version__})"
+    if not all(hasattr(_SubprocessFxCompile, name) for name in ("serialize_compile", "_send_to_child")):
+        return f"needs _SubprocessFxCompile.serialize_compile and _send_to_child (torch {torch.__version__})"
+    return None
+
+
+@contextlib.contextmanager
+def lowering_in_subprocess(stats: SubprocessLowerings) -> Iterator[None]:
+    """On this thread, Inductor lowers each graph (the Python-heavy half of a compile, after Dynamo and AOTAutograd)
+    in a subprocess, Inductor's own: its one worker is spawned once per process and kept; the thread waits for it
+    without holding the GIL. Graphs that do not pickle (higher-order ops, user-registered ops) are lowered here."""
+    _install_subprocess_lowering()
+    previous = getattr(_lowering, "stats", None)
+    _lowering.stats = stats
+    logger = logging.getLogger("torch._inductor.compile_fx")  # compile_fx_ext logs through it
+    quiet = _PickleWarningToReason(threading.get_ident())
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+        _lowering.stats = previous
+
+
+class _PickleWarningToReason(logging.Filter):
+    """Inductor warns with a traceback for each graph it cannot pickle and lowers it in process; on the lowering
+    thread the warning becomes the reason ``SubprocessLowerings`` keeps (checked 2.9.1-2.14.1)."""
+
+    def __init__(self, thread: int):
+        super().__init__()
+        self.thread = thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread or not str(record.msg).startswith("Unable to pickle"):
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        _lowering.pickle_error = str(error).strip().splitlines()[0] if error is not None and str(error) else None
+        return False
+
+
+def warm_subprocess_lowering() -> None:
+    """Spawn the lowering subprocess now (it imports torch: seconds), before a compile needs it."""
+    from torch._inductor.compile_fx_subproc import _SubprocessFxCompile
+
+    _SubprocessFxCompile.process_pool()
 
 
 def import_cudagraph_trees() -> None:

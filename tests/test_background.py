@@ -16,6 +16,7 @@ from compile_trainer import (
     CompileCallback,
     PolicyError,
     apply_policy,
+    compat,
     format_plan_table,
     to_policy,
 )
@@ -196,3 +197,71 @@ def test_the_shadow_aliases_parameters_memory_but_not_their_autograd_state():
     for original, alias in zip(originals, aliases):
         assert alias is not original and alias.grad is None and original.grad is not None
         assert alias.data_ptr() == original.data_ptr() and alias.requires_grad == original.requires_grad
+
+
+@torch.library.custom_op("compile_trainer_test::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+@scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+scaled.register_autograd(lambda ctx, grad: grad * 3)
+
+
+class Scaled(nn.Linear):
+    def forward(self, x):
+        return scaled(super().forward(x))
+
+
+class TwoRegions(nn.Module):
+    """``plain`` lowers in the subprocess; ``custom`` calls an op the subprocess never registered."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        self.custom = Scaled(4, 4)
+
+    def forward(self, x):
+        return self.custom(self.plain(x))
+
+
+@pytest.mark.parametrize("lowering", ["subprocess", "thread"])
+def test_inductor_lowers_background_graphs_in_a_subprocess_where_they_pickle(lowering):
+    torch.manual_seed(0)
+    model = TwoRegions()
+    reference = copy.deepcopy(model)
+    rules = [{"name": "plain", "action": "full"}, {"name": "custom", "action": "full"}]
+    policy = to_policy({"rules": rules, "background": True, "background_lowering": lowering})
+    background = BackgroundCompile(apply_policy(model, policy))
+    x = torch.randn(8, 4)
+    for net in (model, reference):
+        net(x).sum().backward()  # the first step: eager, recorded
+    with compat.fresh_inductor_cache():  # a cache hit lowers nothing
+        background.poll()
+        background.wait()
+    for net in (model, reference):
+        net(x).pow(2).sum().backward()  # compiled, against eager
+    for name, parameter in reference.named_parameters():
+        assert torch.allclose(model.get_parameter(name).grad, parameter.grad, atol=1e-6), name
+    summary = background.summary()
+    assert summary["background_lowering"] == lowering
+    if lowering == "subprocess":
+        # plain's forward and backward graphs in the subprocess, and custom's backward (its op's backward is a
+        # multiplication); custom's forward (an op the subprocess never registered) on the thread
+        assert summary["background_graphs_lowered_in_subprocess"] == 3
+        reason = "the graph does not pickle (Unable to pickle non-standard op: torch.ops.compile_trainer_test.scaled"
+        [(why, graphs)] = summary["background_graphs_lowered_on_thread"].items()
+        assert why.startswith(reason) and graphs == 1, summary
+        assert f"3 graphs lowered in a subprocess, 1 on the thread: {reason}" in background.describe()
+    else:
+        assert summary["background_graphs_lowered_in_subprocess"] == 0
+        assert summary["background_graphs_lowered_on_thread"] == {}
+
+
+def test_an_unknown_background_lowering_is_refused_with_the_valid_ones():
+    with pytest.raises(PolicyError, match="invalid background_lowering 'process'. Valid values: subprocess, thread"):
+        to_policy("full_background", background_lowering="process")

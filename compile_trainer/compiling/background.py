@@ -150,10 +150,14 @@ class BackgroundCompile:
     """
 
     def __init__(self, applied: AppliedPolicy):
-        problem = background_compile_problem()
+        inductor = any(item.compile_kwargs["backend"] == "inductor" for item in applied.compiled)
+        # only Inductor lowers graphs; other backends compile on the thread whatever the setting
+        self.lowering = applied.policy.background_lowering if inductor else "thread"
+        problem = background_compile_problem(self.lowering)
         if problem:
             raise RuntimeError(f"background compile {problem}")
         self.applied = applied
+        self.lowerings = compat.SubprocessLowerings()
         # entry name -> its first training call; blocks of one class share an entry, and one graph
         self.recorded: Dict[str, Tuple[CompiledRegion, RecordedCall]] = {}
         self.state = "recording"  # -> "compiling" -> "installed"
@@ -165,8 +169,10 @@ class BackgroundCompile:
         self._failure: Optional[Tuple[str, BaseException]] = None
         self._recorder = _RecordAndRunEagerly(self)
         applied.interceptors.add(self._recorder)
-        if any(item.compile_kwargs["backend"] == "inductor" for item in applied.compiled):
-            compat.warm_compile_workers()  # ready by the time the thread lowers its first graph
+        if inductor:  # ready by the time the thread lowers its first graph
+            compat.warm_compile_workers()
+            if self.lowering == "subprocess":
+                compat.warm_subprocess_lowering()
 
     @property
     def installed(self) -> bool:
@@ -207,9 +213,13 @@ class BackgroundCompile:
     def describe(self) -> str:
         if self.compile_seconds is None:
             return f"background compile: {self.state}, {self.eager_steps} eager steps so far"
+        lowered = ""
+        if self.lowering == "subprocess":
+            here = ", ".join(f"{n} on the thread: {reason}" for reason, n in self.lowerings.here.items())
+            lowered = f" ({self.lowerings.in_subprocess} graphs lowered in a subprocess{', ' + here if here else ''})"
         return (
-            f"background compile: {len(self.recorded)} graphs in {self.compile_seconds:.1f} s on a thread, "
-            f"while {self.eager_steps} steps ran eagerly; compiled regions in use "
+            f"background compile: {len(self.recorded)} regions in {self.compile_seconds:.1f} s on a thread"
+            f"{lowered}, while {self.eager_steps} steps ran eagerly; compiled regions in use "
             f"{self.compiled_after_seconds:.1f} s after the first step started"
         )
 
@@ -218,6 +228,9 @@ class BackgroundCompile:
             "background_compile_s": self.compile_seconds,
             "background_eager_steps": self.eager_steps,
             "background_compiled_after_s": self.compiled_after_seconds,
+            "background_lowering": self.lowering,
+            "background_graphs_lowered_in_subprocess": self.lowerings.in_subprocess,
+            "background_graphs_lowered_on_thread": dict(self.lowerings.here),
         }
 
     def _compile(self) -> None:
@@ -226,7 +239,12 @@ class BackgroundCompile:
         try:
             # Compile backward graphs now, on this thread: lazily, they would compile inside the first real
             # backward, on the autograd engine's thread, stalling training for seconds.
-            with compat.eager_backward_lowering():
+            lowering = (
+                compat.lowering_in_subprocess(self.lowerings)
+                if self.lowering == "subprocess"
+                else contextlib.nullcontext()
+            )
+            with compat.eager_backward_lowering(), lowering:
                 for item, recorded in self.recorded.values():
                     name = item.region.name
                     recorded.replay(item)

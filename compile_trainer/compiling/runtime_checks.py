@@ -20,9 +20,14 @@ def check_backend(where: str, backend: Optional[str]) -> None:
         raise PolicyError(f"{where}: unknown backend {backend!r}. Valid backends: {valid}.")
 
 
-def background_compile_problem() -> Optional[str]:
-    """Why background compilation cannot work with this torch, or None."""
-    return compat.eager_backward_lowering_problem()
+def background_compile_problem(lowering: str = "thread") -> Optional[str]:
+    """Why background compilation (its graphs lowered in ``lowering``) cannot work with this torch, or None."""
+    problem = compat.eager_backward_lowering_problem()
+    if problem is None and lowering == "subprocess":
+        problem = compat.subprocess_lowering_problem()
+        if problem:
+            problem = f"with background_lowering: subprocess {problem}; use background_lowering: thread"
+    return problem
 
 
 def cache_storage_problem(location: str) -> Optional[str]:
@@ -51,7 +56,7 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
         check_backend(f"{where}, rule {index} {rule.describe()}", rule.backend)
     check_backend(f"{where}, optimizer", policy.optimizer.backend)
     if policy.background and policy.compiles_modules:
-        problem = background_compile_problem()
+        problem = background_compile_problem(policy.background_lowering)
         if problem:
             raise PolicyError(f"{where}: background: true {problem}.")
     nested = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "nested"]

@@ -19,6 +19,7 @@ from compile_trainer.schema.shapes import ShapesPolicy
 
 ACTIONS = ("full", "regional", "eager")
 REST_ACTIONS = ("eager", "compile", "outer", "nested", "auto")
+BACKGROUND_LOWERINGS = ("subprocess", "thread")
 OPTIMIZER_COMPILE = ("true", "false", "auto")
 OPTIMIZER_KERNELS = ("auto", "triton", "inductor")
 OPTIMIZER_CANDIDATES = ("fused", "foreach", "compiled")
@@ -107,6 +108,10 @@ class CompilePolicy(CompileSettings):
     regional_outer_min_share: float = 0.10
     # Compile on a background thread while the first steps run eagerly (compile_trainer.compiling.background).
     background: bool = False
+    # Where a background compile's Inductor lowering runs: ``subprocess`` (Inductor's compile subprocess; the
+    # thread waits for it without holding the GIL, so the eager steps keep their speed) or ``thread`` (on the
+    # background thread itself, sharing the interpreter with the eager steps).
+    background_lowering: str = "subprocess"
     rules: List[Rule] = field(default_factory=list)
     # Variable-length batches: mark_dynamic axes, padding buckets, warm-up, strict recompiles.
     shapes: ShapesPolicy = field(default_factory=ShapesPolicy)

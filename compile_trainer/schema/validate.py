@@ -11,6 +11,7 @@ from typing import List, Optional
 from compile_trainer.schema.cache import cache_settings_problems
 from compile_trainer.schema.policy import (
     ACTIONS,
+    BACKGROUND_LOWERINGS,
     OPTIMIZER_CANDIDATES,
     OPTIMIZER_COMPILE,
     OPTIMIZER_KERNELS,
@@ -78,6 +79,11 @@ def _check_background(where: str, policy: CompilePolicy) -> None:
                 "compiling them on a thread failed on an H100, torch 2.11; auto: it may resolve to outer); use "
                 "rest: compile, or background: false."
             )
+    if policy.background_lowering not in BACKGROUND_LOWERINGS:
+        raise PolicyError(
+            f"{where}: invalid background_lowering {policy.background_lowering!r}. Valid values: "
+            f"{', '.join(BACKGROUND_LOWERINGS)}."
+        )
     if policy.shapes.warmup:
         raise PolicyError(
             f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "
