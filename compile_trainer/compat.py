@@ -517,6 +517,7 @@ class SubprocessLowerings:
 
 
 _lowering = threading.local()
+_lowering_log = logging.getLogger("compile_trainer.compat.lowering")
 # Op namespaces that torch itself registers at import, so the spawned subprocess has them too. Inductor's own
 # pickler allows aten and fbgemm only; prims (an ``arange``'s iota) and Inductor's ops are in most training graphs.
 _TORCH_OP_NAMESPACES = ("torch.ops.aten.", "torch.ops.prims.", "torch.ops.inductor.", "torch.ops.fbgemm.")
@@ -546,7 +547,10 @@ def _lower_in_subprocess(gm: Any, example_inputs: Any, inputs_to_check: Any, gra
         try:
             output = scheme._send_to_child(pickled).deserialize(constants)
         except Exception as error:  # noqa: BLE001 - the graph is lowered here instead, and the reason kept
-            stats.lowered_here(f"the subprocess failed: {type(error).__name__}")
+            details = str(getattr(error, "details", error)).strip()  # a SubprocException carries the child's traceback
+            _lowering_log.info("Inductor's subprocess failed to lower a graph; lowering it here:\n%s", details)
+            last = details.splitlines()[-1] if details else type(error).__name__
+            stats.lowered_here(f"the subprocess failed: {last}")
         else:
             if isinstance(output.graph, CompiledFxGraph):
                 output.graph.compile_region_name = region
