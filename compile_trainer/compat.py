@@ -570,7 +570,9 @@ def _install_subprocess_lowering() -> None:
     """Route ``fx_codegen_and_compile`` (Inductor's lowering of one AOT graph; checked 2.9.1-2.14.1) through
     ``_lower_in_subprocess`` on threads inside ``lowering_in_subprocess``; other threads call it as before."""
     import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.compile_fx_ext as compile_fx_ext
     import torch.fx._graph_pickler as graph_pickler
+    from torch._inductor.virtualized import NullHandler, V
 
     if getattr(compile_fx.fx_codegen_and_compile, "_compile_trainer_lowering", False):
         return
@@ -583,10 +585,33 @@ def _install_subprocess_lowering() -> None:
 
     fx_codegen_and_compile._compile_trainer_lowering = True
     compile_fx.fx_codegen_and_compile = fx_codegen_and_compile
+    serializer = compile_fx_ext._VirtualizedSerializer
+    serialize = serializer.serialize
+
+    def serialize_unset_as_unset() -> Any:
+        # The child poisons every virtualized value the serializer lacks, and Inductor's codegen reads some of them
+        # unset (2.11: the mix-order reduction of an RMSNorm's backward reads V.interpreter, "Attempt to use
+        # poisoned virtualized value"): values unset here are sent as unset.
+        state = serialize()
+        if getattr(_lowering, "stats", None) is not None:
+            for name in _virtualized_names():
+                value = getattr(V, name)
+                if not hasattr(state, name) and isinstance(value, NullHandler):
+                    setattr(state, name, value)
+        return state
+
+    serializer.serialize = staticmethod(serialize_unset_as_unset)
     # GraphPickler's Options() defaults to the aten-only filter (the default is bound at class creation)
     defaults = list(graph_pickler.Options.__init__.__defaults__)
     defaults[0] = _ops_filter
     graph_pickler.Options.__init__.__defaults__ = tuple(defaults)
+
+
+def _virtualized_names() -> List[str]:
+    """The names of Inductor's virtualized values, as the child's patch finds them (``set_<name>[_handler]``)."""
+    from torch._inductor.virtualized import V
+
+    return [name[4:].removesuffix("_handler") for name in dir(V) if name.startswith("set_")]
 
 
 def subprocess_lowering_problem() -> Optional[str]:
