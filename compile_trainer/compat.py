@@ -1273,6 +1273,35 @@ def _probe_warm_compile_workers() -> None:
         assert AsyncCompile.process_pool.cache_info().currsize == 1, "the worker pool exists once warmed"
 
 
+def _probe_lowering_in_subprocess() -> None:
+    """The routing, the op filter and the virtualized values as ``_lower_in_subprocess`` relies on them (a real
+    lowering in the subprocess: tests/test_background.py)."""
+    import inspect
+
+    import torch._inductor.compile_fx as compile_fx
+    import torch._inductor.compile_fx_ext as compile_fx_ext
+    import torch._inductor.compile_fx_subproc as compile_fx_subproc
+    from torch._inductor.compile_worker.subproc_pool import SubprocException
+    from torch._inductor.virtualized import NullHandler, V
+    from torch.fx._graph_pickler import Options
+
+    assert subprocess_lowering_problem() is None, subprocess_lowering_problem()
+    warm_subprocess_lowering()
+    assert compile_fx_subproc._SubprocessFxCompile.process_pool.cache_info().currsize == 1, "spawned once, kept"
+    _install_subprocess_lowering()
+    assert "fx_codegen_and_compile(" in inspect.getsource(compile_fx._compile_fx_inner), "looked up as a global"
+    assert "Unable to pickle" in inspect.getsource(compile_fx_ext._SerializedFxCompile.serialize_compile)
+    assert SubprocException("trace").details == "trace"
+    prims, foreign = "torch.ops.prims.iota.default", "torch.ops.somelib.op.default"
+    assert not Options().ops_filter(prims) and Options().ops_filter("torch.ops.aten.mm.default")
+    with lowering_in_subprocess(SubprocessLowerings()):
+        assert Options().ops_filter(prims) and not Options().ops_filter(foreign)
+        state = compile_fx_ext._VirtualizedSerializer.serialize()
+        with state.patch():
+            assert isinstance(V.interpreter, NullHandler), "an unset value arrives unset, not poisoned"
+    assert isinstance(V.interpreter, NullHandler)
+
+
 def _probe_nested_compile_region() -> None:
     assert has_nested_compile_region()
 
@@ -1374,6 +1403,7 @@ ENTRIES = [
     Entry("compile_session_owner", _probe_compile_session),
     Entry("import_cudagraph_trees", _probe_cudagraph_trees),
     Entry("warm_compile_workers", _probe_warm_compile_workers),
+    Entry("lowering_in_subprocess", _probe_lowering_in_subprocess),
     Entry("outside_dispatch_modes", _probe_outside_dispatch_modes),
     Entry("optimizer internals", _probe_optimizer),
     Entry("inductor_cache_dir", _probe_inductor_cache_dir),
