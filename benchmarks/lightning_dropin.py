@@ -135,6 +135,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         row |= {"summary_first_step_s": summary.get("first_step_time_s")}
         row["summary_vs_own"] = own / row["per_s"] if own else None
         row["summary_mfu_vs_own"] = summary["mfu"] / row["mfu"] if summary.get("mfu") and row["mfu"] else None
+        row |= {key: value for key, value in summary.items() if key.startswith("background_")}
     return row
 
 
