@@ -294,6 +294,7 @@ BENCHMARK = common.Benchmark(
     runs=runs,
     measure=measure,
     shared=dict(steps=200, backend="inductor", variant_timeout=240),
+    in_process=lambda args: args.smoke,  # the CPU smoke: one process (the GPU's variants each a fresh one)
     options={
         "--variants": dict(nargs="+", default=VARIANTS, type=checked_variant, help="a policy's with @key=value"),
         "--batch-size": dict(type=int, default=8),

@@ -229,14 +229,13 @@ class TwoRegions(nn.Module):
         return self.custom(self.plain(x))
 
 
-@pytest.mark.parametrize("lowering", ["subprocess", "thread"])
-def test_inductor_lowers_background_graphs_in_a_subprocess_where_they_pickle(lowering):
+def test_inductor_lowers_background_graphs_in_a_subprocess_where_they_pickle():
     torch.manual_seed(0)
     model = TwoRegions()
     reference = copy.deepcopy(model)
     rules = [{"name": "plain", "action": "full"}, {"name": "custom", "action": "full"}]
-    policy = to_policy({"rules": rules, "background": True, "background_lowering": lowering})
-    background = BackgroundCompile(apply_policy(model, policy))
+    background = BackgroundCompile(apply_policy(model, to_policy({"rules": rules, "background": True})))
+    assert "Inductor's lowering in its compile subprocess" in format_plan_table(background.applied)
     x = torch.randn(8, 4)
     for net in (model, reference):
         net(x).sum().backward()  # the first step: eager, recorded
@@ -248,18 +247,25 @@ def test_inductor_lowers_background_graphs_in_a_subprocess_where_they_pickle(low
     for name, parameter in reference.named_parameters():
         assert torch.allclose(model.get_parameter(name).grad, parameter.grad, atol=1e-6), name
     summary = background.summary()
-    assert summary["background_lowering"] == lowering
-    if lowering == "subprocess":
-        # plain's forward and backward graphs in the subprocess, and custom's backward (its op's backward is a
-        # multiplication); custom's forward (an op the subprocess never registered) on the thread
-        assert summary["background_graphs_lowered_in_subprocess"] == 3
-        reason = "the graph does not pickle (Unable to pickle non-standard op: torch.ops.compile_trainer_test.scaled"
-        [(why, graphs)] = summary["background_graphs_lowered_on_thread"].items()
-        assert why.startswith(reason) and graphs == 1, summary
-        assert f"3 graphs lowered in a subprocess, 1 on the thread: {reason}" in background.describe()
-    else:
-        assert summary["background_graphs_lowered_in_subprocess"] == 0
-        assert summary["background_graphs_lowered_on_thread"] == {}
+    # plain's forward and backward graphs in the subprocess, and custom's backward (its op's backward is a
+    # multiplication); custom's forward (an op the subprocess never registered) on the thread
+    assert summary["background_lowering"] == "subprocess"
+    assert summary["background_graphs_lowered_in_subprocess"] == 3
+    reason = "the graph does not pickle (Unable to pickle non-standard op: torch.ops.compile_trainer_test.scaled"
+    [(why, graphs)] = summary["background_graphs_lowered_on_thread"].items()
+    assert why.startswith(reason) and graphs == 1, summary
+    assert f"3 graphs lowered in a subprocess, 1 on the thread: {reason}" in background.describe()
+
+
+def test_lowering_on_the_thread_where_asked_or_where_nothing_is_lowered():
+    thread = to_policy("full_background", background_lowering="thread")
+    background = BackgroundCompile(apply_policy(Wrapper(Normalized()), thread))
+    assert background.lowering == "thread" and "compile subprocess" not in format_plan_table(background.applied)
+    background.close()
+    eager = to_policy("full_background", backend="eager")
+    eager_backend = BackgroundCompile(apply_policy(Wrapper(Normalized()), eager))
+    assert eager_backend.lowering == "thread", "only Inductor lowers graphs"
+    eager_backend.close()
 
 
 def test_an_unknown_background_lowering_is_refused_with_the_valid_ones():

@@ -1,4 +1,4 @@
-"""The variable-length HF Llama GPU benchmark's CPU smoke mode: every variant side by side, in fresh processes."""
+"""The variable-length HF Llama GPU benchmark's CPU smoke mode: every variant side by side (in one process)."""
 
 import json
 import subprocess

@@ -509,6 +509,11 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     if applied.policy.background and applied.foreground_reason is not None:
         lines.append(f"background: true, compiled in the foreground: {applied.foreground_reason}")
     elif applied.policy.background:
-        lines.append("compiled on a background thread while the first steps run eagerly (background: true)")
+        lowering = ""
+        if applied.policy.background_lowering == "subprocess" and any(
+            item.compile_kwargs["backend"] == "inductor" for item in applied.compiled
+        ):
+            lowering = ", Inductor's lowering in its compile subprocess (background_lowering: subprocess)"
+        lines.append(f"compiled on a background thread while the first steps run eagerly (background: true){lowering}")
     lines += [f"note: {note}" for note in applied.notes]
     return "\n".join(lines)
