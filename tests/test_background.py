@@ -252,7 +252,8 @@ def test_inductor_lowers_background_graphs_in_a_subprocess_where_they_pickle():
     assert summary["background_lowering"] == "subprocess"
     assert summary["background_graphs_lowered_in_subprocess"] == 3
     reason = "the graph does not pickle (Unable to pickle non-standard op: torch.ops.compile_trainer_test.scaled"
-    [(why, graphs)] = summary["background_graphs_lowered_on_thread"].items()
+    assert summary["background_graphs_lowered_on_thread"] == 1
+    [(why, graphs)] = summary["background_lowered_on_thread_because"].items()
     assert why.startswith(reason) and graphs == 1, summary
     assert f"3 graphs lowered in a subprocess, 1 on the thread: {reason}" in background.describe()
 
@@ -271,3 +272,32 @@ def test_lowering_on_the_thread_where_asked_or_where_nothing_is_lowered():
 def test_an_unknown_background_lowering_is_refused_with_the_valid_ones():
     with pytest.raises(PolicyError, match="invalid background_lowering 'process'. Valid values: subprocess, thread"):
         to_policy("full_background", background_lowering="process")
+
+
+class MetricsSeen(pl.loggers.Logger):
+    """A Lightning logger that keeps what it was given."""
+
+    name, version = "seen", 0
+
+    def __init__(self):
+        super().__init__()
+        self.metrics = {}
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics |= metrics
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_the_background_compile_logs_numbers_only_to_lightning_loggers():
+    """TensorBoard's logger takes numbers only: the lowering's name and reasons stay in the summary."""
+    from compile_trainer.lightning.callback import _log_background
+
+    background = BackgroundCompile(apply_policy(Wrapper(Normalized()), to_policy("full_background", backend="eager")))
+    background.close()
+    seen = MetricsSeen()
+    _log_background(pl.Trainer(logger=[seen], enable_progress_bar=False), background)
+    assert seen.metrics and all(isinstance(v, (int, float)) for v in seen.metrics.values()), seen.metrics
+    assert seen.metrics["compile/background_graphs_lowered_on_thread"] == 0
+    assert "compile/background_lowering" not in seen.metrics and "background_lowering" in background.summary()

@@ -234,7 +234,8 @@ class BackgroundCompile:
             "background_compiled_after_s": self.compiled_after_seconds,
             "background_lowering": self.lowering,
             "background_graphs_lowered_in_subprocess": self.lowerings.in_subprocess,
-            "background_graphs_lowered_on_thread": dict(self.lowerings.here),
+            "background_graphs_lowered_on_thread": sum(self.lowerings.here.values()),
+            "background_lowered_on_thread_because": dict(self.lowerings.here),
         }
 
     def _compile(self) -> None:

@@ -295,7 +295,8 @@ class CompileCallback(pl.Callback):
 def _log_background(trainer: pl.Trainer, background: BackgroundCompile) -> None:
     rank_zero_info(background.describe())
     for logger in trainer.loggers:
-        metrics = {f"compile/{k}": v for k, v in background.summary().items() if v is not None}
+        summary = background.summary().items()
+        metrics = {f"compile/{k}": v for k, v in summary if isinstance(v, (int, float)) and not isinstance(v, bool)}
         logger.log_metrics(metrics, step=trainer.global_step)
 
 
