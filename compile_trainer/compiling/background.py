@@ -154,9 +154,7 @@ class BackgroundCompile:
     """
 
     def __init__(self, applied: AppliedPolicy):
-        inductor = any(item.compile_kwargs["backend"] == "inductor" for item in applied.compiled)
-        # only Inductor lowers graphs; other backends compile on the thread whatever the setting
-        self.lowering = applied.policy.background_lowering if inductor else "thread"
+        self.lowering = applied.background_lowering
         problem = background_compile_problem(self.lowering)
         if problem:
             raise RuntimeError(f"background compile {problem}")
@@ -173,7 +171,7 @@ class BackgroundCompile:
         self._failure: Optional[Tuple[str, BaseException]] = None
         self._recorder = _RecordAndRunEagerly(self)
         applied.interceptors.add(self._recorder)
-        if inductor:  # ready by the time the thread lowers its first graph
+        if applied.uses_inductor:  # ready by the time the thread lowers its first graph
             compat.warm_compile_workers()
             if self.lowering == "subprocess":
                 compat.warm_subprocess_lowering()

@@ -118,6 +118,16 @@ class AppliedPolicy:
     def uses_cuda_graphs(self) -> bool:
         return any(kwargs_use_cuda_graphs(item.compile_kwargs) for item in self.compiled)
 
+    @property
+    def uses_inductor(self) -> bool:
+        return any(item.compile_kwargs["backend"] == "inductor" for item in self.compiled)
+
+    @property
+    def background_lowering(self) -> str:
+        """Where a background compile lowers its graphs: the policy's setting; ``thread`` where no region compiles
+        with Inductor (only Inductor lowers graphs)."""
+        return self.policy.background_lowering if self.uses_inductor else "thread"
+
     def begin_step(self) -> None:
         """Call before each training or evaluation step (``CompileCallback`` does).
 
@@ -510,9 +520,7 @@ def format_plan_table(applied: AppliedPolicy) -> str:
         lines.append(f"background: true, compiled in the foreground: {applied.foreground_reason}")
     elif applied.policy.background:
         lowering = ""
-        if applied.policy.background_lowering == "subprocess" and any(
-            item.compile_kwargs["backend"] == "inductor" for item in applied.compiled
-        ):
+        if applied.background_lowering == "subprocess":
             lowering = ", Inductor's lowering in its compile subprocess (background_lowering: subprocess)"
         lines.append(f"compiled on a background thread while the first steps run eagerly (background: true){lowering}")
     lines += [f"note: {note}" for note in applied.notes]

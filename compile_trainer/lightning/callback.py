@@ -294,9 +294,9 @@ class CompileCallback(pl.Callback):
 
 def _log_background(trainer: pl.Trainer, background: BackgroundCompile) -> None:
     rank_zero_info(background.describe())
+    summary = background.summary().items()
+    metrics = {f"compile/{k}": v for k, v in summary if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for logger in trainer.loggers:
-        summary = background.summary().items()
-        metrics = {f"compile/{k}": v for k, v in summary if isinstance(v, (int, float)) and not isinstance(v, bool)}
         logger.log_metrics(metrics, step=trainer.global_step)
 
 
