@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import gc
 import importlib.metadata
 import json
 import os
@@ -26,11 +27,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from benchmarks.make_report import cell
+from compile_trainer import compat
 from compile_trainer.tables import text_table
+from compile_trainer.telemetry.throughput import table_peak_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-LIBRARIES = ("lightning", "transformers", "timm", "accelerate")  # versions read from metadata, not imported
 Rows = List[Dict[str, Any]]
 
 # The flags several benchmarks share: their type and help (a benchmark gives the default).
@@ -71,27 +74,24 @@ class Benchmark:
 
 
 def parse(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = None) -> Any:
-    """The benchmark's command line: the harness's flags, the shared ones it names, its own."""
+    """The benchmark's command line (kept as ``args.argv``): the harness's flags, the shared ones it names, its own."""
     argv = sys.argv[1:] if argv is None else argv
     parser = arguments(doc, benchmark.name, benchmark.smoke_help, **benchmark.shared)
     parser.add_argument("--append", action="store_true", help="keep --out's rows of runs not run now")
     parser.add_argument("--worker", type=json.loads, help=argparse.SUPPRESS)  # the run a worker measures
     for flag, options in benchmark.options.items():
         parser.add_argument(flag, **options)
-    if "--smoke" in argv:
-        parser.set_defaults(**benchmark.smoke)
-    args = parser.parse_args(argv)
-    args.argv = argv
-    return args
+    parser.set_defaults(argv=argv, **(benchmark.smoke if "--smoke" in argv else {}))
+    return parser.parse_args(argv)
 
 
 def main(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = None) -> Optional[Rows]:
     """Run the benchmark as its command line says; a worker process measures its one run."""
     args = parse(benchmark, doc, argv)
+    timeout = getattr(args, "timeout", None) or getattr(args, "variant_timeout", None)
     if args.worker is not None:
         run_args(args, args.worker)
-        return worker(args.worker_out, lambda: benchmark.measure(args), timeout_of(args))
-    timeout = timeout_of(args) or 600
+        return worker(args.worker_out, lambda: benchmark.measure(args), timeout)
     in_process = benchmark.in_process(args) if callable(benchmark.in_process) else benchmark.in_process
     meta = environment() | {"isolation": "one process, compiler state reset per run" if in_process else "fresh process"}
     rows, notes, named = [], [], lambda row: tuple(row.get(key) for key in benchmark.key)
@@ -100,30 +100,19 @@ def main(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = N
         args.scratch = Path(scratch)
         runs = benchmark.runs(args)
         if args.append and args.out.exists():
-            old = json.loads(args.out.read_text())
-            again = {named(public(run)) for run in runs}
+            old, again = json.loads(args.out.read_text()), {named(run) for run in runs}
             rows, notes = [row for row in old["rows"] if named(row) not in again], old["notes"]
             meta["command"] = f"{old['meta'].get('command')} && {meta['command']}"
         for run in runs:
-            row = public(run) | measure_run(benchmark, run, args, in_process, timeout)
-            rows.append(row)
-            print(f"{' '.join(map(str, named(row)))}: {json.dumps(row)[:300]}", flush=True)
-            rows[:] = benchmark.finish(
-                rows, args
-            )  # and the file written after each run: a run cut short keeps its rows
+            row = {key: value for key, value in run.items() if not key.startswith("_")}
+            rows.append(row | measure_run(benchmark, run, args, in_process, timeout or 600))
+            print(f"{' '.join(map(str, named(row)))}: {json.dumps(rows[-1])[:300]}", flush=True)
+            rows[:] = benchmark.finish(rows, args)  # the file written after each run: a run cut short keeps its rows
             notes += [note for note in benchmark.notes(args, rows) if note not in notes]
             write_result(args.out, benchmark.name, benchmark.title, benchmark.columns, rows, notes, meta)
     print_table(benchmark.columns, rows, benchmark.baseline)
     print("\n".join(notes))
     return rows
-
-
-def timeout_of(args: Any) -> Optional[float]:
-    return getattr(args, "timeout", None) or getattr(args, "variant_timeout", None)
-
-
-def public(run: Dict[str, Any]) -> Dict[str, Any]:
-    return {key: value for key, value in run.items() if not key.startswith("_")}
 
 
 def run_args(args: Any, run: Dict[str, Any]) -> Any:
@@ -134,6 +123,7 @@ def run_args(args: Any, run: Dict[str, Any]) -> Any:
 
 
 def measure_run(benchmark: Benchmark, run: Dict[str, Any], args: Any, in_process: bool, timeout: float) -> Dict:
+    """One run's row: why it cannot run, or its measure in this process, or in ``--repeats`` fresh ones."""
     why_not = benchmark.skip(run, args)
     if why_not:
         return {"error": why_not}
@@ -144,12 +134,9 @@ def measure_run(benchmark: Benchmark, run: Dict[str, Any], args: Any, in_process
         except Exception as error:  # one run's failure is its row, not the end of the benchmark
             return {"error": f"{type(error).__name__}: {error}".strip()[:400]}
     command = [*args.argv, "--worker", json.dumps(run, default=str)]
-    log = args.out.with_name(f"{args.out.stem}.errors.log")
-    timeout = run.get("_timeout") or timeout
-    results = [
-        fresh_row(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log)
-        for _ in range(getattr(args, "repeats", None) or 1)
-    ]
+    log, timeout = args.out.with_name(f"{args.out.stem}.errors.log"), run.get("_timeout") or timeout
+    repeats = range(getattr(args, "repeats", None) or 1)
+    results = [fresh_row(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log) for _ in repeats]
     return repeated(results, benchmark.timed)
 
 
@@ -203,50 +190,27 @@ def with_rule_changes(policy: Any, **changes: str) -> Any:
     return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules])
 
 
-# Dense bf16 tensor-core peak (FLOP/s) by device name; Lightning does not know the H200 (same chip as H100 SXM).
-PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
-
-
 def git_commit() -> Optional[str]:
-    """The checkout's short commit, ``-dirty`` when the tree has changes; None without git or a checkout."""
+    """The checkout's short commit, ``-dirty`` when tracked files changed; None without git or a checkout."""
+    command = ["git", "describe", "--always", "--dirty", "--exclude=*"]  # no tags: the commit itself
     try:
-        run = dict(cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **run).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **run).stdout.strip()
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return commit + ("-dirty" if changed else "") if commit else None
 
 
 def environment() -> Dict[str, Any]:
-    """What measured a result: date, command, commit, device and versions."""
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python", *sys.argv]),
-        "commit": git_commit(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})",
-    }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = None
-    for name in LIBRARIES:
-        try:
-            meta[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            meta[name] = None
-    return meta
+    """What measured a result: date, command, commit, device and versions (the libraries' from their metadata)."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor()})"
+    meta = dict(date=datetime.date.today().isoformat(), command=" ".join(["python", *sys.argv]), commit=git_commit())
+    meta |= dict(python=platform.python_version(), torch=torch.__version__, device=device)
+    installed = {dist.metadata["Name"].lower(): dist.version for dist in importlib.metadata.distributions()}
+    return meta | {name: installed.get(name) for name in ("triton", "lightning", "transformers", "timm", "accelerate")}
 
 
 def peak_flops(device: torch.device) -> Optional[float]:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    """The GPU's dense bf16 peak FLOP/s from the library's table (H100, H200, A100); None elsewhere."""
+    return table_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
 
 
 def synchronize(device: torch.device) -> None:
@@ -259,22 +223,17 @@ class StepTimer:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.pairs: List[Any] = []
+        self.pairs: List[Tuple[Any, Any]] = []
 
     def start(self) -> Any:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def stop(self, started: Any) -> None:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.pairs.append((started, event))
-        else:
-            self.pairs.append((started, time.perf_counter()))
+        self.pairs.append((started, self.start()))
 
     def seconds(self) -> List[float]:
         synchronize(self.device)
@@ -283,60 +242,40 @@ class StepTimer:
         return [end - start for start, end in self.pairs]
 
 
-def time_steps(
-    device: torch.device, step: Callable[[int], None], steps: int, start: int = 0, outer: Sequence[Any] = ()
-) -> Dict[str, float]:
+def time_steps(device: torch.device, step: Callable[[int], None], steps: int, start: int = 0) -> Dict[str, float]:
     """``step(index)`` for ``steps`` indices from ``start``, each timed, and the window's wall time between two
-    device syncs; recorders in ``outer`` (``start()``/``stop()``) run around it."""
-    for recorder in outer:
-        recorder.start()
+    device syncs."""
     timer = StepTimer(device)
-    synchronize(device)
-    window_start = time.perf_counter()
-    for index in range(start, start + steps):
-        started = timer.start()
-        step(index)
-        timer.stop(started)
-    synchronize(device)
-    window_s = time.perf_counter() - window_start
-    for recorder in reversed(outer):
-        recorder.stop()
-    seconds = timer.seconds()
+
+    def window() -> None:
+        for index in range(start, start + steps):
+            started = timer.start()
+            step(index)
+            timer.stop(started)
+
+    window_s, seconds = timed(device, window), timer.seconds()
     return {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": window_s}
 
 
 def first_warm_timed(
-    device: torch.device,
-    step: Callable[[int], None],
-    warmup: int,
-    steps: int,
-    eager: Callable[[], bool] = lambda: False,
-    max_eager: int = 0,
-    **recorders: Sequence[Any],
+    device: torch.device, step: Callable, warmup: int, steps: int, eager: Callable = lambda: False, max_eager: int = 0
 ) -> Dict[str, float]:
     """The first step timed alone (``first_step_s``: its compile), steps while ``eager()`` (a background compile
     not in use yet; ``max_eager`` in all), ``warmup - 1`` more, then ``time_steps``; ``next_step``: the index after."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    first_step = timed(device, lambda: step(0))
-    start = 1
+    first_step, start = timed(device, lambda: step(0)), 1
     while eager() and start < max_eager:
         step(start)
         start += 1
     for index in range(start, start + warmup - 1):
         step(index)
     start += max(warmup - 1, 0)
-    times = time_steps(device, step, steps, start, **recorders)
-    return times | {"first_step_s": first_step, "next_step": start + steps}
+    return time_steps(device, step, steps, start) | {"first_step_s": first_step, "next_step": start + steps}
 
 
 def training_step(
-    optimizer: Any,
-    loss_of: Callable[[Any], torch.Tensor],
-    device: torch.device,
-    applied: Any = None,
-    scheduler: Any = None,
-    mark_step: bool = False,
+    optimizer: Any, loss_of: Callable, device: torch.device, applied: Any = None, scheduler: Any = None, mark_step=False
 ) -> Callable[[Any], torch.Tensor]:
     """A training step on a batch as every benchmark runs it: the applied policy's ``begin_step`` (with CUDA
     graphs, a step's regions share one CUDA-graph step), the loss under bf16 autocast on a GPU, backward, the
@@ -367,49 +306,8 @@ def recompile_reasons(limit: Optional[int] = None) -> List[str]:
     """Why Dynamo recompiled, one line per recompile of this process."""
     from torch._dynamo.utils import get_compilation_metrics
 
-    reasons = [
-        f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}"
-        for m in get_compilation_metrics()
-        if is_recompile(m)
-    ]
-    return reasons[:limit]
-
-
-class HostTimer:
-    """Host time to issue one training step: before each step a sleep kernel holds the device longer than the
-    step's host work, so the host never waits for it (on the CPU, this is the step). A host time near the device's
-    step time means the loop is host-bound."""
-
-    HOLD_S = 0.2
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.times: List[float] = []
-        self._started: Optional[float] = None
-        self._cycles = self._sleep_cycles(self.HOLD_S) if device.type == "cuda" else 0
-
-    @staticmethod
-    def _sleep_cycles(seconds: float) -> int:
-        probe = 10_000_000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        return int(probe * seconds * 1e3 / start.elapsed_time(end))
-
-    def step_start(self) -> None:
-        """Call where each step starts: closes the previous step's interval and holds the device for the next."""
-        now = time.perf_counter()
-        if self._started is not None:
-            self.times.append(now - self._started)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda._sleep(self._cycles)
-        self._started = time.perf_counter()
-
-    def median_ms(self) -> Optional[float]:
-        return statistics.median(self.times) * 1e3 if self.times else None
+    recompiles = [metric for metric in get_compilation_metrics() if is_recompile(metric)]
+    return [f"{m.compile_id} {m.co_name}: {getattr(m, 'recompile_reason', None)}" for m in recompiles][:limit]
 
 
 def quiet_trainer(device: torch.device, **trainer_args: Any) -> Any:
@@ -431,43 +329,24 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> float:
 
 
 def write_result(
-    path: Path,
-    benchmark: str,
-    title: str,
-    columns: List[str],
-    rows: List[Dict[str, Any]],
-    notes: List[str],
-    meta: Optional[Dict[str, Any]] = None,
+    path: Path, benchmark: str, title: str, columns: List[str], rows: Rows, notes: List[str], meta: Any = None
 ) -> None:
-    """The result file ``make_report.py`` renders; ``meta`` defaults to this process's ``environment()``."""
+    """The result file ``make_report.py`` renders; ``meta`` (a dict) defaults to this process's ``environment()``."""
     result = dict(benchmark=benchmark, title=title, meta=meta or environment(), columns=columns, rows=rows, notes=notes)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
 
 
-def format_table(columns: List[str], rows: List[Dict[str, Any]]) -> str:
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
-        return "-" if value is None else str(value)
-
-    return "\n".join(text_table(columns, [[cell(row.get(c)) for c in columns] for row in rows]))
-
-
-def print_table(columns: List[str], rows: List[Dict[str, Any]], baseline: Optional[str] = None) -> None:
-    """The rows side by side; ``baseline`` names the variant the ratio columns divide by."""
-    print(format_table(columns, rows))
+def print_table(columns: List[str], rows: Rows, baseline: Optional[str] = None) -> None:
+    """The rows side by side, each cell as docs/BENCHMARKS.md shows it; ``baseline`` names the variant the ratio
+    columns divide by."""
+    print("\n".join(text_table(columns, [[cell(row.get(c)) for c in columns] for row in rows])))
     if baseline:
         print(f"ratios (*_vs_*) against {baseline}; with repeats, of medians")
 
 
 def add_ratio(
-    rows: List[Dict[str, Any]],
-    name: str,
-    column: str,
-    is_baseline: Callable[[Dict[str, Any]], bool],
-    group: Callable[[Dict[str, Any]], Any] = lambda row: None,
-    inverse: bool = False,
+    rows: Rows, name: str, column: str, is_baseline: Callable, group: Callable = lambda row: None, inverse: bool = False
 ) -> None:
     """Set ``row[name]`` to ``row[column]`` over the baseline row's of the same ``group`` (the baseline's over the
     row's with ``inverse``: a speed-up from times) on every row where both are measured."""
@@ -478,7 +357,7 @@ def add_ratio(
             row[name] = base / row[column] if inverse else row[column] / base
 
 
-def repeated(results: List[Dict[str, Any]], metrics: Sequence[str]) -> Dict[str, Any]:
+def repeated(results: Rows, metrics: Sequence[str]) -> Dict[str, Any]:
     """One row from several runs of a variant: the first run's fields, each of ``metrics`` the median over the runs
     that measured it, ``spread`` its [min, max], ``repeats`` how many counted (an error if none did)."""
     done = [result for result in results if not result.get("error")]
@@ -496,11 +375,7 @@ def repeated(results: List[Dict[str, Any]], metrics: Sequence[str]) -> Dict[str,
 def fresh_compiler_state() -> Any:
     """Forget what this process compiled (Dynamo's caches, counters, metrics) and return a context with empty
     Inductor/Triton caches."""
-    import gc
-
     from torch._dynamo.utils import clear_compilation_metrics, counters
-
-    from compile_trainer import compat
 
     torch._dynamo.reset()
     counters.clear()
@@ -512,34 +387,33 @@ def fresh_compiler_state() -> Any:
 
 
 def run_fresh(
-    script: str,
-    args: List[str],
-    timeout: float,
-    caches: Optional[Path] = None,
-    log: Optional[Path] = None,
+    script: str, args: List[str], timeout: float, caches: Optional[Path] = None, log: Optional[Path] = None
 ) -> Dict[str, Any]:
     """``python script args... --worker-out FILE`` in a fresh process with empty Inductor and Triton caches of its
     own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote, with ``process_s``;
     on a failure or a timeout, with ``error`` (and whatever the worker wrote before), the output appended to ``log``."""
+
+    def text(output: Any) -> str:  # a timeout's output comes as bytes, or None
+        return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+    def tail(output: str) -> str:
+        return " | ".join(output.strip().splitlines()[-3:])[-300:]
+
     with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch:
-        folder = caches or Path(scratch)
-        out = Path(scratch) / "result.json"
+        folder, out = caches or Path(scratch), Path(scratch) / "result.json"
         paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = os.environ | {
-            "PYTHONPATH": os.pathsep.join(paths),
-            "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
-            "TRITON_CACHE_DIR": str(folder / "triton"),
-        }
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TRITON_CACHE_DIR": str(folder / "triton")}
         command = [sys.executable, str(script), *args, "--worker-out", str(out)]
-        started, error, output = time.perf_counter(), None, ""
+        started, error = time.perf_counter(), None
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
             output = done.stdout + done.stderr
             if done.returncode != 0 or not out.exists():
-                error = f"exit code {done.returncode} | " + _tail(done.stderr or done.stdout)
+                error = f"exit code {done.returncode} | " + tail(done.stderr or done.stdout)
         except subprocess.TimeoutExpired as expired:
-            output = _text(expired.stdout) + _text(expired.stderr)
-            error = f"timed out after {timeout:.0f} s | " + _tail(_text(expired.stderr))
+            output = text(expired.stdout) + text(expired.stderr)
+            error = f"timed out after {timeout:.0f} s | " + tail(text(expired.stderr))
         result = json.loads(out.read_text()) if out.exists() else {}
     if error is not None:
         result["error"] = error
@@ -547,8 +421,7 @@ def run_fresh(
             log.parent.mkdir(parents=True, exist_ok=True)
             with log.open("a") as file:
                 file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
-    result["process_s"] = time.perf_counter() - started
-    return result
+    return result | {"process_s": time.perf_counter() - started}
 
 
 def fresh_row(script: str, args: List[str], timeout: float, row: Optional[Dict[str, Any]] = None, **options) -> Dict:
@@ -556,14 +429,6 @@ def fresh_row(script: str, args: List[str], timeout: float, row: Optional[Dict[s
     result = run_fresh(script, args, timeout, **options)
     result.pop("process_s")
     return dict(row or {}, error=result["error"]) if result.get("error") else result
-
-
-def _text(output: Any) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
-
-
-def _tail(output: str) -> str:
-    return " | ".join(output.strip().splitlines()[-3:])[-300:]
 
 
 def worker(out: Path, measure: Callable[[], Any], timeout: Optional[float] = None) -> None:

@@ -1,20 +1,14 @@
 """Compile cache: time to the first step cold, on the same machine, and on a new machine that loads a bundle.
 
-Per model and policy, phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles, captures the
-precompiled artifacts, writes the bundle after step 3, trains 2 more steps), ``cold_no_cache`` (the cache off: the
-base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
+Per model (the recipe's ``gpt2_small``, the HF Llama; 8 x 1024 tokens, bf16, fused AdamW) and policy (``regional``,
+``full`` with reduce-overhead), phases each in a fresh process: ``cold`` (empty Inductor/Triton caches; compiles,
+captures the precompiled artifacts, writes the bundle after step 3, trains 2 more steps), ``cold_no_cache`` (the cache
+off: the base of ``vs_full_cold``), ``same_machine`` (the cold phase's Inductor/Triton caches, the cache off),
 ``new_machine_mega`` (empty caches, the bundle's mega-cache only), ``new_machine_traced`` (mega-cache and cache
-directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager``. The recipe's ``gpt2_small``
-and the HF Llama, 8 x 1024 tokens, bf16, fused AdamW; ``regional`` and ``full`` (reduce-overhead). GPU run (about 6
-minutes on an H100; or in two with ``--append``):
+directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and ``eager``.
 
-    python benchmarks/compile_cache.py --out benchmarks/results/compile_cache.json
-    python benchmarks/compile_cache.py --models gpt2_small --out benchmarks/results/compile_cache.json
-    python benchmarks/compile_cache.py --models llama --append --out benchmarks/results/compile_cache.json
-
-CPU smoke run (tiny configs, Inductor on the CPU), as the tests run it:
-
-    python benchmarks/compile_cache.py --smoke --models gpt2_small --policies regional --out /tmp/compile_cache.json
+    python benchmarks/compile_cache.py --models gpt2_small --phases cold cold_no_cache same_machine new_machine
+    python benchmarks/compile_cache.py --smoke --models gpt2_small --policies regional --out /tmp/x  # CPU, Inductor
 """
 
 from __future__ import annotations
@@ -34,9 +28,11 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import synchronize  # noqa: E402
 from benchmarks.models import GPT2_SMALL, TokenLoss, build_model  # noqa: E402
-from recipes.gpt import GPTConfig  # noqa: E402
+from compile_trainer import apply_policy, to_policy  # noqa: E402
+from compile_trainer.cache.session import CompileCache  # noqa: E402
+from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
+from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")
@@ -55,8 +51,6 @@ loss_rel_diff_vs_cold error""".split()
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
     """The model, random weights, dropout off; ``forward(tokens)`` returns the loss."""
-    from recipes.gpt import GPT
-
     with device:
         if name == "llama":
             return TokenLoss(build_model("llama", smoke)[0], hf=True)
@@ -65,10 +59,6 @@ def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
 
 def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     """One phase, in this (fresh) process."""
-    from compile_trainer import apply_policy, to_policy
-    from compile_trainer.cache.session import CompileCache
-    from compile_trainer.telemetry.compile_events import CompileTelemetry
-
     device = common.device_for(args.smoke)
     torch.manual_seed(0)
     holder = nn.ModuleDict({"model": build(args.model, args.smoke, device)})
@@ -85,7 +75,7 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     compiler_import_s = import_compiler(device)
     startup = time.perf_counter() - STARTED
 
-    synchronize(device)
+    common.synchronize(device)
     started = time.perf_counter()
     cache = CompileCache(policy.cache)
     cache.load(holder, policy, device)
@@ -101,7 +91,7 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
             cache.save([item.region.name for item in applied.compiled], compile_s, final=True)
         losses.append(float(train(tokens)))
         if index == 0:
-            synchronize(device)
+            common.synchronize(device)
             first_step = time.perf_counter() - started
             first_load_s = cache.precompiled.load_s if cache.precompiled is not None else 0.0  # within the step
     telemetry.uninstall()
@@ -165,21 +155,18 @@ def compile_phases() -> Tuple[float, float]:
 
 def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
     """``vs_cold`` against the same model and policy's cold phase; ``vs_full_cold``: the first step over the ``full``
-    cold compile of its model without the cache (``cold_no_cache``; ``cold``'s when that phase was not run)."""
+    cold compile of its model without the cache (``cold_no_cache``)."""
     cold = {(r["model"], r["policy"]): r for r in rows if r["phase"] == "cold" and "first_step_s" in r}
     for row in rows:
         base = cold.get((row["model"], row["policy"]))
         if base and "first_step_s" in row:
             row["vs_cold"] = row["first_step_s"] / base["first_step_s"]
             row["loss_rel_diff_vs_cold"] = common.rel_diff(row["losses"], base["losses"])
-    no_cache = {
-        r["model"] for r in rows if (r["policy"], r["phase"]) == ("full", "cold_no_cache") and "first_step_s" in r
-    }
 
-    def is_base(row: Dict[str, Any]) -> bool:
-        return row["policy"] == "full" and row["phase"] == ("cold_no_cache" if row["model"] in no_cache else "cold")
+    def full_without_cache(row: Dict[str, Any]) -> bool:
+        return (row["policy"], row["phase"]) == ("full", "cold_no_cache")
 
-    common.add_ratio(rows, "vs_full_cold", "first_step_s", is_base, group=lambda row: row["model"])
+    common.add_ratio(rows, "vs_full_cold", "first_step_s", full_without_cache, group=lambda row: row["model"])
     return rows
 
 

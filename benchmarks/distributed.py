@@ -1,11 +1,11 @@
 """Compile policies under DDP and FSDP2: 1 vs N GPUs, ``regional`` vs ``full``, the recipe's GPT-2 small and an HF
 Llama; global samples/s, each rank's first step, recompiles, peak memory and diverging ranks (docs/distributed.md).
 Weak scaling: each rank trains ``--batch`` samples a step. ``--experiments`` adds ``collectives`` (ranks of different
-first lengths, ``distributed.consistent_dynamic_shapes`` off and on; ``collectives-on``: on only) and ``cache`` (the
-DDP ``regional`` row writes a bundle, a run with empty local caches loads it). Each run a fresh Lightning job of N
-processes with empty Inductor/Triton caches:
+first lengths, ``distributed.consistent_dynamic_shapes`` off and on) and ``cache`` (the DDP ``regional`` row writes a
+bundle, a run with empty local caches loads it). Each run a fresh Lightning job of N processes with empty
+Inductor/Triton caches:
 
-    python benchmarks/distributed.py --models gpt2 --out benchmarks/results/distributed_gpt2.json
+    python benchmarks/distributed.py --models gpt2 --experiments scaling,cache --policies regional --strategies ddp
 
 CPU smoke run (2 gloo processes, tiny models, aot_eager; no collectives: gloo refuses compiler collectives):
 
@@ -21,65 +21,58 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from benchmarks.models import GPT2_SMALL, build_model  # noqa: E402
+from compile_trainer import CompileCallback, apply_policy  # noqa: E402
+from compile_trainer.compiling.regions import APPLIED_ATTR  # noqa: E402
+from recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
 
 
-def lightning_module(args: argparse.Namespace, callback: Any) -> Any:
-    """The model's LightningModule; under FSDP2 on several GPUs its ``configure_model`` applies the callback's
-    policy, then shards each block and the root (torchtitan's order)."""
-    import lightning.pytorch as pl
+class Benchmarked(pl.LightningModule):
+    """The model's LightningModule; under FSDP2 its ``configure_model`` applies the callback's policy, then shards
+    each block and the root (torchtitan's order)."""
 
-    from compile_trainer import apply_policy
-    from compile_trainer.compiling.regions import APPLIED_ATTR
+    def __init__(self, args: argparse.Namespace, callback: Any) -> None:
+        super().__init__()
+        self.args, self.policy = args, callback.policy
+        if args.model == "gpt2":
+            config = GPTConfig(**SMOKE_GPT2) if args.smoke else GPT2_SMALL
+            self.model, self.vocab = GPT(config), config.vocab_size
+        else:
+            self.model, _, self.vocab = build_model("llama", args.smoke)
 
-    class Benchmarked(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            if args.model == "gpt2":
-                from benchmarks.models import GPT2_SMALL
-                from recipes.gpt import GPT, GPTConfig
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        if self.args.model == "gpt2":
+            return self.model(inputs, targets)[1]
+        return self.model(input_ids=inputs, labels=targets).loss
 
-                config = GPTConfig(**SMOKE_GPT2) if args.smoke else GPT2_SMALL
-                self.model, self.vocab = GPT(config), config.vocab_size
-            else:
-                from benchmarks.models import build_model
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
-                self.model, _, self.vocab = build_model("llama", args.smoke)
+    def configure_model(self) -> None:
+        if self.args.strategy != "fsdp2":
+            return
+        from torch.distributed.fsdp import fully_shard
 
-        def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-            inputs, targets = batch
-            if args.model == "gpt2":
-                return self.model(inputs, targets)[1]
-            return self.model(input_ids=inputs, labels=targets).loss
+        if self.policy.compiles_modules and getattr(self, APPLIED_ATTR, None) is None:
+            apply_policy(self, self.policy)
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks if self.args.model == "gpt2" else self.model.model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-        def configure_model(self) -> None:
-            if args.strategy != "fsdp2":
-                return
-            from torch.distributed.fsdp import fully_shard
-
-            if callback.policy.compiles_modules and getattr(self, APPLIED_ATTR, None) is None:
-                apply_policy(self, callback.policy)
-            mesh = self.device_mesh["data_parallel"]
-            for block in self.model.blocks if args.model == "gpt2" else self.model.model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(self.model, mesh=mesh)
-
-        def train_dataloader(self):
-            from torch.utils.data import DataLoader
-
-            pin = torch.cuda.is_available() and not args.smoke  # as a GPU user's loader does
-            return DataLoader(batches(args, self.vocab, self.global_rank), batch_size=None, pin_memory=pin)
-
-    return Benchmarked()
+    def train_dataloader(self):
+        pin = torch.cuda.is_available() and not self.args.smoke  # as a GPU user's loader does
+        data = batches(self.args, self.vocab, self.global_rank)
+        return torch.utils.data.DataLoader(data, batch_size=None, pin_memory=pin)
 
 
 def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
@@ -98,8 +91,6 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """One training job (every rank runs this); rank 0's row."""
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
-    from compile_trainer import CompileCallback
-
     on_gpu = torch.cuda.is_available() and not args.smoke
     overrides: Dict[str, Any] = {"backend": "aot_eager"} if args.smoke else {}
     if args.collectives:
@@ -108,7 +99,7 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
         overrides["cache"] = {"dir": args.cache_dir}
     callback = CompileCallback(args.policy, print_plan=False, telemetry={"measure_flops": False}, **overrides)
     torch.manual_seed(0)
-    module = lightning_module(args, callback)
+    module = Benchmarked(args, callback)
     strategies = {"ddp": DDPStrategy, "fsdp2": lambda: ModelParallelStrategy(args.gpus, tensor_parallel_size=1)}
     strategy = strategies.get(args.strategy, lambda: "auto")()
     trainer = common.quiet_trainer(
@@ -129,27 +120,28 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, Any]:
     """Rank 0's row: throughput over all ranks (from the slowest rank's median steady step, and from the mean),
     and each rank's median step, first step, recompiles, graphs and peak memory."""
-    singles = {"first_step_time_s": "first_step_time_s", "steady_step_time_median_s": "steady_step_time_median_s"}
-    singles |= {"recompiles": "recompiles", "graphs": "unique_graphs", "peak_memory_bytes": "peak_memory_bytes"}
-    ranks = summary.get("ranks") or {f"{k}_by_rank": [summary.get(v)] for k, v in singles.items()}
+    ranks = summary.get("ranks") or {}  # several ranks: each one's figures (one device: the summary's own)
+
+    def by_rank(key: str, single: Optional[str] = None) -> Optional[List[Any]]:
+        return ranks.get(f"{key}_by_rank") if ranks else [summary.get(single or key)]
+
+    medians = by_rank("steady_step_time_median_s") or [None]
     per_rank = summary.get("steady_samples_per_s")
-    medians = ranks.get("steady_step_time_median_s_by_rank") or [None]
-    cache_keys = ("status", "precompiled_hits", "precompiled_misses", "precompiled_captures", "precompiled_load_s")
-    cache_keys += ("precompiled_skipped",)
+    cache_keys = (
+        "status precompiled_hits precompiled_misses precompiled_captures precompiled_load_s precompiled_skipped"
+    )
     return {
         # every rank steps together: the slowest rank's median step sets the pace
         "samples_per_s": args.batch * args.gpus / max(medians) if None not in medians else None,
         "samples_per_s_mean": per_rank * args.gpus if per_rank else None,
         "step_ms_median_by_rank": [round(m * 1e3, 2) if m else None for m in medians],
-        "first_step_s_by_rank": ranks.get("first_step_time_s_by_rank"),
-        "recompiles_by_rank": ranks.get("recompiles_by_rank"),
+        "first_step_s_by_rank": by_rank("first_step_time_s"),
+        "recompiles_by_rank": by_rank("recompiles"),
         "divergent_ranks": ranks.get("divergent_recompile_ranks", []),
-        "graphs_by_rank": ranks.get("graphs_by_rank"),
-        "peak_memory_gb_by_rank": [
-            round(m / 2**30, 2) if m else None for m in ranks.get("peak_memory_bytes_by_rank") or []
-        ],
+        "graphs_by_rank": by_rank("graphs", "unique_graphs"),
+        "peak_memory_gb_by_rank": [round(m / 2**30, 2) if m else None for m in by_rank("peak_memory_bytes") or []],
         "compile_s_max": ranks.get("compile_time_s_max", summary.get("compile_time_s")),
-        "cache": {key: summary.get(f"cache_{key}") for key in cache_keys} if args.cache_dir else None,
+        "cache": {key: summary.get(f"cache_{key}") for key in cache_keys.split()} if args.cache_dir else None,
         "error": None,
     }
 
@@ -192,9 +184,8 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
         if "cache" in args.experiments:
             planned.append(dict(model=model, experiment="cache", strategy="ddp", policy="regional", gpus=n))
             planned[-1]["_cache_dir"] = bundle
-        wanted = [e for e in args.experiments.split(",") if e.startswith("collectives")]
-        if wanted and model == args.models.split(",")[0] and not args.smoke:
-            for collectives in (False, True) if "collectives" in wanted else (True,):  # collectives-on: one
+        if "collectives" in args.experiments and model == args.models.split(",")[0] and not args.smoke:
+            for collectives in (False, True):
                 experiment = "collectives" + "+collectives" * collectives
                 run = dict(model=model, experiment=experiment, strategy="ddp", policy="regional", gpus=n)
                 planned.append(run | {"_collectives": collectives})

@@ -5,8 +5,8 @@ under eager, ``torch.compile`` by hand, and ``CompileCallback`` with ``regional`
 ``train.py`` (``gpt2_small``): ``cold`` writes the bundle, ``new_machine`` loads it with empty Inductor/Triton caches,
 ``full`` ``cold_no_cache`` is the base of ``vs_full_cold``. Each variant a fresh process with empty compile caches.
 
-    python benchmarks/lightning_dropin.py --out benchmarks/results/lightning_dropin.json
-    python benchmarks/lightning_dropin.py --models llama --cache-policies '' --out /tmp/llama.json   # one part
+    python benchmarks/lightning_dropin.py --models llama --variants regional,full --cache-policies ''
+    python benchmarks/lightning_dropin.py --models '' --cache-policies regional,full --timeout 150
     python benchmarks/lightning_dropin.py --smoke --out /tmp/dropin.json     # CPU, tiny models, aot_eager
 """
 
@@ -15,18 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks.models import TIMM_VIT_TINY, build_model, count_flops  # noqa: E402
+from compile_trainer import CompileCallback  # noqa: E402
 
 MODELS = ("llama", "vit")
 VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
@@ -61,80 +65,65 @@ def batches(name: str, smoke: bool, count: int) -> List[Any]:
     return [(x, torch.randint(0, 1000, (size,), generator=generator)) for x in images]
 
 
-def make_module(name: str, net: nn.Module) -> Any:
+class Plain(pl.LightningModule):
     """A plain LightningModule, as a user writes it: nothing for the callback's sake."""
-    import lightning.pytorch as pl
 
-    class Plain(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
+    def __init__(self, model: str, net: nn.Module) -> None:
+        super().__init__()
+        self.model_name, self.net = model, net
 
-        def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-            if name == "llama":
-                return self.net(**batch).loss
-            images, labels = batch
-            return nn.functional.cross_entropy(self.net(images), labels)
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        if self.model_name == "llama":
+            return self.net(**batch).loss
+        images, labels = batch
+        return nn.functional.cross_entropy(self.net(images), labels)
 
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=self.device.type == "cuda")
-
-    return Plain()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=self.device.type == "cuda")
 
 
-def step_clock(device: torch.device) -> Any:
-    """A callback timing each training step on the device's timeline (``StepTimer``: CUDA events on a GPU)."""
-    import lightning.pytorch as pl
+class StepClock(pl.Callback):
+    """Times each training step on the device's timeline (``StepTimer``: CUDA events on a GPU)."""
 
-    class StepClock(pl.Callback):
-        def __init__(self) -> None:
-            self.timer, self.started = common.StepTimer(device), None
+    def __init__(self, device: torch.device) -> None:
+        self.timer, self.started = common.StepTimer(device), None
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.started = self.timer.start()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.started = self.timer.start()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.timer.stop(self.started)
-
-    return StepClock()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.timer.stop(self.started)
 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
-    from compile_trainer import CompileCallback
-
-    device = common.device_for(args.smoke)
-    on_gpu = device.type == "cuda"
+    device, backend = common.device_for(args.smoke), {"backend": "aot_eager"} if args.smoke else {}
     torch.manual_seed(0)
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
-    module = make_module(args.model, net.to(device))
+    module = Plain(args.model, net.to(device))
     first = data[0]
     first = {k: v.to(device) for k, v in first.items()} if isinstance(first, dict) else [t.to(device) for t in first]
-    flops = count_flops(net, lambda: module.training_step(first, 0), device.type, autocast=on_gpu)
-    callbacks: List[Any] = []
-    compile_callback = None
+    flops = count_flops(net, lambda: module.training_step(first, 0), device.type, autocast=device.type == "cuda")
+    callback = CompileCallback(args.variant, **backend) if args.variant not in ("eager", "by_hand") else None
     if args.variant == "by_hand":
-        module.net = torch.compile(net, **({"backend": "aot_eager"} if args.smoke else {}))
-    elif args.variant != "eager":
-        compile_callback = CompileCallback(args.variant, **({"backend": "aot_eager"} if args.smoke else {}))
-        callbacks.append(compile_callback)
-    clock = step_clock(device)
-    trainer = common.quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=[clock, *callbacks])
+        module.net = torch.compile(net, **backend)
+    clock = StepClock(device)
+    callbacks = [clock] + ([callback] if callback else [])
+    trainer = common.quiet_trainer(device, precision="bf16-mixed", max_steps=args.steps, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
-    units = "tokens" if args.model == "llama" else "images"
-    per_step = data[0]["input_ids"].numel() if args.model == "llama" else data[0][0].shape[0]
-    peak = common.peak_flops(device)
+    tokens = args.model == "llama"
+    per_step, peak = data[0]["input_ids"].numel() if tokens else data[0][0].shape[0], common.peak_flops(device)
     row = {"model": args.model, "variant": args.variant, "first_step_s": seconds[0], "step_ms": step * 1e3}
-    row |= {"units": units, "per_s": per_step / step, "mfu": flops / step / peak if peak else None, "error": None}
-    if compile_callback is not None:
-        summary = compile_callback.summary()
-        own = summary.get("steady_items_per_s") if units == "tokens" else summary.get("steady_samples_per_s")
-        row |= {"summary_per_s": own, "summary_mfu": summary.get("mfu")}
-        row |= {"summary_first_step_s": summary.get("first_step_time_s")}
+    row |= {"units": "tokens" if tokens else "images", "per_s": per_step / step, "error": None}
+    row["mfu"] = flops / step / peak if peak else None
+    if callback is not None:
+        summary = callback.summary()
+        own, mfu = summary.get("steady_items_per_s" if tokens else "steady_samples_per_s"), summary.get("mfu")
+        row |= {"summary_per_s": own, "summary_mfu": mfu, "summary_first_step_s": summary.get("first_step_time_s")}
         row["summary_vs_own"] = own / row["per_s"] if own else None
-        row["summary_mfu_vs_own"] = summary["mfu"] / row["mfu"] if summary.get("mfu") and row["mfu"] else None
+        row["summary_mfu_vs_own"] = mfu / row["mfu"] if mfu and row["mfu"] else None
         row |= {key: value for key, value in summary.items() if key.startswith("background_")}
     return row
 
@@ -142,9 +131,6 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 def train_py(args: argparse.Namespace) -> Dict[str, Any]:
     """One ``train.py`` run of the recipe (this process's Inductor and Triton caches are ``run_fresh``'s), its
     row read from the run's ``result.json``."""
-    import subprocess
-    import tempfile
-
     policy, phase = args.cache_run.split(":")
     recipe = ["recipe=gpt_tiny", "trainer.accelerator=cpu", "compile.backend=aot_eager"] if args.smoke else []
     overrides = recipe or ["recipe=gpt2_small", "trainer=gpu"]

@@ -5,14 +5,16 @@ their FLOP count for MFU."""
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 import torch
 from torch import nn
 
+from compile_trainer import compat
 from recipes.gpt import GPTConfig
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+TIMM_VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
 
 
 def has_module(name: str) -> bool:
@@ -77,9 +79,6 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
     return vision_model(name, smoke, 10 if smoke else 1000)
 
 
-TIMM_VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)
-
-
 def vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, int]:
     """timm's model where timm is installed (the GPU image), else transformers' of the same shape (CI): its
     ``<prefix>Config`` defaults are ViT-B/16, ResNet-50 and ConvNeXt-T; its ViT has no stochastic depth, BEiT has."""
@@ -109,24 +108,15 @@ def vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, 
 
 
 def count_flops(model: nn.Module, loss: Callable[[], torch.Tensor], device_type: str, autocast: bool) -> int:
-    """FLOPs of one eager forward and backward of ``loss()`` (matmuls, convolutions, attention), counted once."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False, custom_mapping=grouped_query_attention_formulas())
-    with counter, torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-        loss().backward()
-    model.zero_grad(set_to_none=True)
-    return counter.get_total_flops()
-
-
-def grouped_query_attention_formulas() -> Dict[Any, Callable[..., int]]:
-    """FlopCounterMode's attention formulas for grouped-query shapes (the library's: ``compat``), counted as the
-    kernels compute them (torch < 2.13's own formulas assert equal heads)."""
-    from torch.utils.flop_counter import flop_registry
-
-    from compile_trainer import compat
+    """FLOPs of one eager forward and backward of ``loss()`` (matmuls, convolutions, attention), counted once;
+    attention of grouped-query shapes with the library's formulas (``compat``: torch < 2.13's assert equal heads)."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     formulas = compat.grouped_query_attention_formulas(flop_registry)
     for formula in formulas.values():
         formula._get_raw = True  # type: ignore[attr-defined]  # called with the op's arguments, not their shapes
-    return formulas
+    counter = FlopCounterMode(display=False, custom_mapping=formulas)
+    with counter, torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+        loss().backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()

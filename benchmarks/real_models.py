@@ -1,19 +1,14 @@
 """Real models: eager vs torch.compile vs accelerate's compile_regions vs the bundled policies, side by side.
 
 HF Llama (16 layers, d 1024, 8 KV heads; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens), ViT-B/16 and ResNet-50
-(64 images of 224²) from ``benchmarks/models.py``; bf16 autocast, fused AdamW; each variant in a fresh process with
-empty compile caches: its first step is the cold compile a user pays. GPU run:
+(64 images of 224²), and the models as users configure them (issue 31): ``llama_default`` (``use_cache=True``),
+``convnext_tiny``, ``vit_drop_path`` (``drop_path_rate=0.1``) and ``t5_base`` (8 x 512 tokens); all from
+``benchmarks/models.py``. bf16 autocast, fused AdamW; each variant in a fresh process with empty compile caches: its
+first step is the cold compile a user pays. ``--policies regional@rest=outer``: every rule's ``rest`` replaced.
 
-    python benchmarks/real_models.py --models llama gpt2 --out benchmarks/results/real_models.json
-    python benchmarks/real_models.py --models vit resnet50 --append --out benchmarks/results/real_models.json
-
-The models as users configure them (issue 31): ``llama_default`` (``use_cache=True``), ``convnext_tiny``,
-``vit_drop_path`` (``drop_path_rate=0.1``; transformers' BEiT without timm) and ``t5_base`` (8 x 512 tokens):
-
-    python benchmarks/real_models.py --models llama_default t5_base --policies regional --append
-    python benchmarks/real_models.py --models convnext_tiny vit_drop_path --policies regional --append
-
-CPU smoke run (tiny configs, aot_eager, all in one process): ``python benchmarks/real_models.py --smoke --out x``.
+    python benchmarks/real_models.py --models llama gpt2 --budget-s 540
+    python benchmarks/real_models.py --models t5_base vit_drop_path --policies regional --append
+    python benchmarks/real_models.py --smoke --out /tmp/x   # CPU: tiny configs, aot_eager, all in one process
 """
 
 from __future__ import annotations
@@ -33,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, models  # noqa: E402
 from benchmarks.models import build_model, has_module  # noqa: E402
+from compile_trainer import apply_policy, to_policy  # noqa: E402
+from compile_trainer.schema.load import bundled_policy_names  # noqa: E402
+from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -49,10 +47,9 @@ LM, VISION = ModelSpec("lm", 8, 1024, "tokens"), ModelSpec("vision", 64, 224, "i
 # the last four as users configure them for training (issue 31): config defaults, stochastic depth, stages, 2 stacks
 MODELS = {"llama": LM, "gpt2": LM, "vit": VISION, "resnet50": VISION, "llama_default": LM}
 MODELS |= {"convnext_tiny": VISION, "vit_drop_path": VISION, "t5_base": ModelSpec("lm", 8, 512, "tokens")}
-DEFAULT_MODELS = ["llama", "gpt2", "vit", "resnet50"]
-# For the time estimate only: seconds of a cold first step on an H100 (torch 2.11), measured 2026-11-23 for llama
-# and vit (a little warm), the rest guessed; "policy" is any policy (nested ones x 1.5), per peer in PEERS' order
-# from torch_compile; each worker process adds PROCESS_GUESS_S (imports, CUDA, the model, FLOPs, timed steps).
+# For --budget-s only: seconds of a cold first step on an H100 (torch 2.11), measured 2026-11-23 for llama and vit
+# (a little warm), the rest guessed; "policy" is any policy (nested ones x 1.5), per peer in PEERS' order from
+# torch_compile; each worker process adds PROCESS_GUESS_S (imports, CUDA, the model, FLOPs, timed steps).
 COMPILE_GUESS = {
     "llama": (48, 52, 14, 12), "gpt2": (28, 31, 11, 12), "vit": (24, 26, 22, 7), "resnet50": (40, 45, 40, 20),
     "llama_default": (66, 69, 20, 25), "convnext_tiny": (54, 57, 54, 30), "vit_drop_path": (24, 26, 22, 10),
@@ -67,9 +64,8 @@ PEERS = {
     "compile_regions": "accelerate.utils.compile_regions(model)",
 }
 FULL_COMPILES = ("torch_compile", "torch_compile_reduce_overhead")
+SMOKE_PEERS = ["eager", "torch_compile", "compile_regions"]
 POLICY_PREFIX = "policy_"
-DEFAULT_POLICIES = ["regional", "regional_split", "regional_nested"]
-SMOKE_VARIANTS, SMOKE_POLICIES = ["eager", "torch_compile", "compile_regions"], ["regional", "regional_nested"]
 CACHE_NOTE = "{}: built with use_cache=False, as the regional plan advises (with a KV cache each decoder layer reads"
 CACHE_NOTE += " its layer_idx, in training too, and gets a compiled graph of its own)"
 MODEL_NOTES = {  # what a reader of a model's rows should know, in the notes when the model runs
@@ -85,14 +81,6 @@ TIMM_NOTE += " it compiles the whole model"
 LOSSES_COMPARED = 5  # the first steps' losses compared with eager's
 
 
-def describe(variant: str) -> str:
-    if variant in PEERS:
-        return PEERS[variant]
-    name, rest = policy_and_rest(variant)
-    rules = f", rules=[every rule with rest={rest!r}]" if rest else ""
-    return f"apply_policy(model, to_policy({name!r}{rules}))"
-
-
 def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
     """A policy variant's bundled policy and its ``rest`` override: ``policy_regional@rest=eager`` runs the
     bundled ``regional`` with every rule's ``rest`` set to ``eager`` (an experiment on what the rest costs)."""
@@ -103,19 +91,23 @@ def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
     return name, rest or None
 
 
-def make_batches(name: str, smoke: bool, size: int, count: int, device: torch.device) -> Tuple[List[Any], int]:
-    """``count`` batches of random data (the same in every process), and the tokens or images in one batch."""
+def describe(variant: str) -> str:
+    if variant in PEERS:
+        return PEERS[variant]
+    name, rest = policy_and_rest(variant)
+    rules = f", rules=[every rule with rest={rest!r}]" if rest else ""
+    return f"apply_policy(model, to_policy({name!r}{rules}))"
+
+
+def make_batches(name: str, smoke: bool, size: int, device: torch.device) -> Tuple[List[Any], int]:
+    """Four batches of random data (the same in every process), and the tokens or images in one batch."""
     spec = MODELS[name]
     batch, length = SMOKE_BATCH if smoke else (spec.batch, spec.size)
     generator = torch.Generator().manual_seed(1)
     if spec.family == "lm":
-        batches = [torch.randint(size, (batch, length), generator=generator) for _ in range(count)]
-        return [b.to(device) for b in batches], batch * length
-    batches = []
-    for _ in range(count):
-        images = torch.randn(batch, 3, length, length, generator=generator)
-        batches.append((images.to(device), torch.randint(size, (batch,), generator=generator).to(device)))
-    return batches, batch
+        return [torch.randint(size, (batch, length), generator=generator).to(device) for _ in range(4)], batch * length
+    images = [torch.randn(batch, 3, length, length, generator=generator) for _ in range(4)]
+    return [(x.to(device), torch.randint(size, (batch,), generator=generator).to(device)) for x in images], batch
 
 
 def loss_of(family: str, run: Callable[..., Any], batch: Any) -> torch.Tensor:
@@ -124,109 +116,77 @@ def loss_of(family: str, run: Callable[..., Any], batch: Any) -> torch.Tensor:
     return run(*batch)
 
 
-def prepare(
-    variant: str, model: nn.Module, args: argparse.Namespace
-) -> Tuple[Callable[..., Any], Any, bool, List[str]]:
+def prepare(variant: str, model: nn.Module, args: argparse.Namespace) -> Tuple[Callable[..., Any], Any, bool, List]:
     """Compile ``model`` as the variant says: the callable a step runs, the applied policy (None for the peers),
     whether each step must mark a CUDA-graph step for torch.compile itself, and notes."""
     backend = args.backend or "inductor"
     if variant == "eager":
         return model, None, False, []
-    if variant == "torch_compile":
-        return torch.compile(model, backend=backend), None, False, []
-    if variant == "torch_compile_reduce_overhead":
-        if backend != "inductor":  # torch.compile takes a mode only with Inductor
-            return torch.compile(model, backend=backend), None, False, [f"mode dropped: backend {backend}"]
-        return torch.compile(model, mode="reduce-overhead"), None, True, []
+    if variant in FULL_COMPILES:  # torch.compile takes a mode only with Inductor
+        cuda_graphs = variant == "torch_compile_reduce_overhead" and backend == "inductor"
+        dropped = [f"mode dropped: backend {backend}"] if variant.endswith("overhead") and not cuda_graphs else []
+        mode = "reduce-overhead" if cuda_graphs else None
+        return torch.compile(model, backend=backend, mode=mode), None, cuda_graphs, dropped
     if variant == "compile_regions":
         from accelerate.utils import compile_regions
 
         return compile_regions(model, backend=backend), None, False, []
-    from compile_trainer import apply_policy, to_policy
-
     name, rest = policy_and_rest(variant)
     policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
     if rest:
         policy = common.with_rule_changes(policy, rest=rest)
-    holder = nn.ModuleDict({"model": model})  # policies address modules as a LightningModule would
-    applied = apply_policy(holder, policy)
+    applied = apply_policy(nn.ModuleDict({"model": model}), policy)  # modules addressed as in a LightningModule
     return model, applied, False, list(applied.notes)
 
 
-FLOPS: Dict[str, Dict[str, Any]] = {}  # per model: its FLOP count, for the process's next variant
-
-
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
-    """Train ``args.model`` under ``args.variant``."""
-    from compile_trainer.telemetry.compile_events import CompileTelemetry
+    """Train ``args.model`` under ``args.variant``: the first step (timed alone), the warm-up, the timed steps, and
+    what the compiler did meanwhile."""
+    from torch._dynamo.utils import counters, get_compilation_metrics
 
-    name, variant, state = args.model, args.variant, FLOPS.setdefault(args.model, {})
-    device = common.device_for(args.smoke)
+    device, spec = common.device_for(args.smoke), MODELS[args.model]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
-    spec = MODELS[name]
     torch.manual_seed(0)
     with device:  # initialized where it trains: on the GPU, seconds faster than on the host
-        model, source, size = build_model(name, args.smoke)
+        model, source, size = build_model(args.model, args.smoke)
     model.to(device).train()
-    batches, items = make_batches(name, args.smoke, size, 4, device)
-    if "flops" not in state:
-        try:
-            loss = partial(loss_of, spec.family, model, batches[0])
-            state["flops"] = models.count_flops(model, loss, device.type, autocast=device.type == "cuda")
-        except Exception as error:  # no MFU, but the variant's other numbers
-            state["flops"], state["flops_error"] = None, f"FLOPs not counted: {type(error).__name__}: {error}"[:300]
-    flops = state["flops"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
-    run, applied, mark_step, notes = prepare(variant, model, args)  # compiles nothing yet: that is lazy
-    telemetry = CompileTelemetry(applied).install()  # attributes a policy's compiles to its regions
+    batches, items = make_batches(args.model, args.smoke, size, device)
+    flops, notes = None, []
     try:
-        result = train(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry)
+        loss = partial(loss_of, spec.family, model, batches[0])
+        flops = models.count_flops(model, loss, device.type, autocast=device.type == "cuda")
+    except Exception as error:  # no MFU, but the variant's other numbers
+        notes.append(f"FLOPs not counted: {type(error).__name__}: {error}"[:300])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    run, applied, mark_step, compile_notes = prepare(args.variant, model, args)  # compiles nothing yet: that is lazy
+    telemetry = CompileTelemetry(applied).install()  # attributes a policy's compiles to its regions
+    train = common.training_step(optimizer, partial(loss_of, spec.family, run), device, applied, mark_step=mark_step)
+    losses: List[torch.Tensor] = []
+
+    def step(index: int) -> None:
+        loss = train(batches[index % len(batches)])
+        if len(losses) < LOSSES_COMPARED:
+            losses.append(loss.clone())  # a CUDA-graph output is overwritten by the next replay
+
+    try:
+        times = common.first_warm_timed(device, step, args.warmup, args.steps)
+        telemetry.collect()
+        totals = telemetry.totals()
     finally:
         telemetry.uninstall()
         if applied is not None:
             applied.remove()  # and the process-wide settings it changed (the recompile limit)
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else common.peak_flops(device)
-    step_s, window_s = result.pop("step_s"), result.pop("window_s")
-    return {"source": source, **result} | {
-        "items_per_s": items * args.steps / window_s,
-        "unit": spec.unit,
-        "flops_per_step": flops,
-        "tflops": flops / step_s / 1e12 if flops else None,
-        "mfu": flops / step_s / peak if flops and peak else None,
-        "notes": notes + ([state["flops_error"]] if "flops_error" in state else []) or None,
-    }
-
-
-def train(spec, run, applied, mark_step, optimizer, batches, args, device, telemetry) -> Dict[str, Any]:
-    """The first step (timed alone), the warm-up, the timed steps; what the compiler did meanwhile."""
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    loss = partial(loss_of, spec.family, run)
-    training_step = common.training_step(optimizer, loss, device, applied, mark_step=mark_step)
-    losses: List[torch.Tensor] = []
-
-    def step(index: int) -> None:
-        loss = training_step(batches[index % len(batches)])
-        if len(losses) < LOSSES_COMPARED:
-            losses.append(loss.clone())  # a CUDA-graph output is overwritten by the next replay
-
-    times = common.first_warm_timed(device, step, args.warmup, args.steps)
-    telemetry.collect()
-    totals = telemetry.totals()
+    step_s, peak = times["step_s"], common.peak_flops(device)
     return {
+        "source": source,
         "first_step_s": times["first_step_s"],
-        "step_ms": times["step_s"] * 1e3,
-        "step_s": times["step_s"],
+        "step_ms": step_s * 1e3,
         "slowest_step_ms": times["slowest_step_s"] * 1e3,
-        "window_s": times["window_s"],
         "peak_mem_gib": common.peak_memory_gib(device),
         "graphs": counters["stats"]["unique_graphs"],
-        "recompiles": totals["recompiles"],
-        "grad_mode_variants": totals["grad_mode_variants"],
-        "graph_breaks": totals["graph_breaks"],
-        "cudagraph_skips": totals["cudagraph_skips"],
+        **{key: totals[key] for key in ("recompiles", "grad_mode_variants", "graph_breaks", "cudagraph_skips")},
         "compile_s": totals["compile_time_s"],
         # Each compile (a frame's forward, or its lazily compiled backward) and its seconds, in order.
         "compiles": [
@@ -235,65 +195,50 @@ def train(spec, run, applied, mark_step, optimizer, batches, args, device, telem
         ],
         "recompile_reasons": common.recompile_reasons(limit=10),
         "first_losses": [float(loss) for loss in losses],
+        "items_per_s": items * args.steps / times["window_s"],
+        "unit": spec.unit,
+        "flops_per_step": flops,
+        "tflops": flops / step_s / 1e12 if flops else None,
+        "mfu": flops / step_s / peak if flops and peak else None,
+        "notes": compile_notes + notes or None,
     }
 
 
+def guess_seconds(model: str, variant: str) -> float:
+    """A run's guessed wall seconds on an H100 (``COMPILE_GUESS``; not a measurement)."""
+    if variant == "eager":
+        return PROCESS_GUESS_S
+    if variant.startswith(POLICY_PREFIX):
+        return PROCESS_GUESS_S + COMPILE_GUESS[model][3] * (1.5 if "nested" in variant else 1.0)
+    return PROCESS_GUESS_S + COMPILE_GUESS[model][list(PEERS).index(variant) - 1]
+
+
 def skip(run: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
-    """Why a run cannot run here (checked without starting a worker), or would likely time out past ``--budget-s``."""
+    """Why a run cannot run here (checked without starting a worker), or would likely not end within ``--budget-s``."""
     variant = run["variant"]
     if variant == "compile_regions" and not has_module("accelerate"):
         return "accelerate not installed"
     if variant.startswith(POLICY_PREFIX):
-        from compile_trainer.schema.load import bundled_policy_names
-
         try:
             name, _ = policy_and_rest(variant)
         except ValueError as error:
             return str(error)
         if name not in bundled_policy_names():
             return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
-        if not has_module("omegaconf"):
-            return "omegaconf not installed (compile_trainer.to_policy needs it)"
-    if not args.smoke and args.budget_s - (time.perf_counter() - args.started) < PROCESS_GUESS_S + guess_seconds(
-        run["model"], variant
-    ):
+    if not args.smoke and args.budget_s - (time.perf_counter() - args.started) < guess_seconds(run["model"], variant):
         return f"skipped: not enough of the run's --budget-s {args.budget_s:.0f} s left; run it in another command"
     return None
 
 
-def guess_seconds(name: str, variant: str) -> float:
-    if variant == "eager":
-        return 0.0
-    if variant.startswith(POLICY_PREFIX):
-        return COMPILE_GUESS[name][3] * (1.5 if variant.endswith("nested") else 1.0)
-    return COMPILE_GUESS[name][list(PEERS).index(variant) - 1]
-
-
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Every model under every variant; prints the guessed wall seconds per model on an H100 (for planning a
-    10-minute command; not a measurement) and, over ``--budget-s``, the models grouped into commands that fit."""
+    """Every model under every variant; prints the guessed wall seconds per model on an H100, to plan commands that
+    fit ``--budget-s``."""
     variants = args.variants + [POLICY_PREFIX + p for p in args.policies]
-    requested = [{"model": name, "variant": v, "compiled": describe(v)} for name in args.models for v in variants]
-    per_model: Dict[str, float] = {}
-    for run in requested:
-        guess = PROCESS_GUESS_S + guess_seconds(run["model"], run["variant"]) if run["model"] in COMPILE_GUESS else 0
-        per_model[run["model"]] = per_model.get(run["model"], 0.0) + guess
-    guessed, each = sum(per_model.values()), ", ".join(f"{n} ~{s:.0f} s" for n, s in per_model.items())
-    print(f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; ~{guessed:.0f} s in all, "
-          f"budget {args.budget_s:.0f} s", flush=True)  # fmt: skip
-    if guessed > args.budget_s and not args.smoke:
-        groups, used = [[]], 0.0
-        for name, seconds in per_model.items():
-            if groups[-1] and used + seconds > args.budget_s:
-                groups, used = groups + [[]], 0.0
-            groups[-1].append(name)
-            used += seconds
-        print("over budget: split it, e.g.")
-        for index, group in enumerate(groups):  # the first command starts the file, the others add to it
-            print(f"  python benchmarks/real_models.py --models {' '.join(group)}{' --append' * bool(index)}")
-    if args.estimate:
-        raise SystemExit(0)
-    return requested
+    per_model = {m: sum(guess_seconds(m, v) for v in variants) for m in args.models}
+    each = ", ".join(f"{m} ~{s:.0f} s" for m, s in per_model.items())
+    print(f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; "
+          f"~{sum(per_model.values()):.0f} s in all, budget {args.budget_s:.0f} s", flush=True)  # fmt: skip
+    return [{"model": m, "variant": v, "compiled": describe(v)} for m in args.models for v in variants]
 
 
 def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -315,14 +260,12 @@ def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict
     return rows
 
 
-def batch_text(name: str, smoke: bool) -> str:
-    spec = MODELS[name]
-    batch, size = SMOKE_BATCH if smoke else (spec.batch, spec.size)
-    return f"{batch} x {size} tokens" if spec.family == "lm" else f"{batch} images of 3 x {size} x {size}"
-
-
 def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
-    notes = [f"{m}: {batch_text(m, args.smoke)} a step" for m in args.models]
+    def batch_text(spec: ModelSpec) -> str:
+        batch, size = SMOKE_BATCH if args.smoke else (spec.batch, spec.size)
+        return f"{batch} x {size} tokens" if spec.family == "lm" else f"{batch} images of 3 x {size} x {size}"
+
+    notes = [f"{m}: {batch_text(MODELS[m])} a step" for m in args.models]
     notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
     vision = {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
     notes += [TIMM_NOTE] if has_module("timm") and vision and "compile_regions" in args.variants else []
@@ -347,14 +290,12 @@ BENCHMARK = common.Benchmark(
     measure=measure,
     shared=dict(steps=30, warmup=5, backend=None, variant_timeout=150),
     options={
-        "--models": dict(nargs="+", default=DEFAULT_MODELS, choices=list(MODELS)),
+        "--models": dict(nargs="+", default=["llama", "gpt2", "vit", "resnet50"], choices=list(MODELS)),
         "--variants": dict(nargs="*", choices=list(PEERS), default=list(PEERS), help="the peers to run"),
-        "--policies": dict(nargs="*", default=DEFAULT_POLICIES, help="bundled policies, each as policy_<name>"),
-        "--peak-tflops": dict(type=float, help="peak bf16 TFLOP/s for MFU (default: 989.4 on H100/H200)"),
+        "--policies": dict(nargs="*", default=["regional", "regional_split", "regional_nested"], help="policy_<name>"),
         "--budget-s": dict(type=float, default=540, help="variants that would start past it: error rows"),
-        "--estimate": dict(action="store_true", help="print the time estimate and exit"),
     },
-    smoke=dict(steps=3, warmup=2, backend="aot_eager", variants=SMOKE_VARIANTS, policies=SMOKE_POLICIES),
+    smoke=dict(steps=3, warmup=2, backend="aot_eager", policies=["regional", "regional_nested"], variants=SMOKE_PEERS),
     smoke_help="tiny configs on the CPU, aot_eager, few steps, all in one process",
     finish=summarize,
     notes=notes,
