@@ -50,8 +50,8 @@ SHARED_FLAGS = {
 @dataclass
 class Benchmark:
     """What a benchmark script declares. ``runs(args)``: one dict per run, its fields the row's first columns and,
-    in the worker, attributes of ``args`` (a ``_name`` field goes to the worker only; ``_timeout`` and ``_caches``
-    also set the run's timeout and its Inductor/Triton cache folder); ``measure(args)``: the run's row (None: write
+    in the worker, attributes of ``args`` (a ``_name`` field goes to the worker only; ``_caches`` also sets the run's
+    Inductor/Triton cache folder); ``measure(args)``: the run's row (None: write
     nothing, a distributed job's other ranks); ``finish(rows, args)``: ratios across rows; ``skip(run, args)``: why
     a run cannot run (an error row). ``key``: the fields that name a row (``--append`` keeps the others' rows)."""
 
@@ -70,15 +70,22 @@ class Benchmark:
     key: Tuple[str, ...] = ("variant",)
     timed: Tuple[str, ...] = ()  # what --repeats reports as medians
     baseline: Optional[str] = None  # what the ratio columns divide by, said under the table
-    smoke_help: str = "tiny models on the CPU"
 
 
 def parse(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = None) -> Any:
-    """The benchmark's command line (kept as ``args.argv``): the harness's flags, the shared ones it names, its own."""
+    """The benchmark's command line (kept as ``args.argv``): ``--out`` (default ``benchmarks/results/<name>.json``,
+    the headline), ``--smoke``, ``--append``, the hidden ``--worker`` and ``--worker-out`` of a fresh process's run,
+    the ``SHARED_FLAGS`` the benchmark names (``shared=dict(steps=200)``: ``--steps``, default 200), its own flags."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = arguments(doc, benchmark.name, benchmark.smoke_help, **benchmark.shared)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{benchmark.name}.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (the description says more)")
     parser.add_argument("--append", action="store_true", help="keep --out's rows of runs not run now")
     parser.add_argument("--worker", type=json.loads, help=argparse.SUPPRESS)  # the run a worker measures
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)  # where it writes the row
+    for key, default in benchmark.shared.items():
+        kind, help_text = SHARED_FLAGS[key]
+        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
     for flag, options in benchmark.options.items():
         parser.add_argument(flag, **options)
     parser.set_defaults(argv=argv, **(benchmark.smoke if "--smoke" in argv else {}))
@@ -134,24 +141,9 @@ def measure_run(benchmark: Benchmark, run: Dict[str, Any], args: Any, in_process
         except Exception as error:  # one run's failure is its row, not the end of the benchmark
             return {"error": f"{type(error).__name__}: {error}".strip()[:400]}
     command = [*args.argv, "--worker", json.dumps(run, default=str)]
-    log, timeout = args.out.with_name(f"{args.out.stem}.errors.log"), run.get("_timeout") or timeout
-    repeats = range(getattr(args, "repeats", None) or 1)
-    results = [fresh_row(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log) for _ in repeats]
+    log, repeats = args.out.with_name(f"{args.out.stem}.errors.log"), range(getattr(args, "repeats", None) or 1)
+    results = [run_fresh(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log) for _ in repeats]
     return repeated(results, benchmark.timed)
-
-
-def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU", **shared) -> Any:
-    """A benchmark's parser with the flags every script has: ``--out`` (default ``benchmarks/results/<name>.json``,
-    the headline), ``--smoke``, the hidden ``--worker-out`` that ``run_fresh`` gives its worker, and the
-    ``SHARED_FLAGS`` named in ``shared`` with their defaults (``steps=200``: ``--steps``, default 200)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json" if name else None, required=not name)
-    parser.add_argument("--smoke", action="store_true", help=smoke)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    for key, default in shared.items():
-        kind, help_text = SHARED_FLAGS[key]
-        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
-    return parser
 
 
 def device_for(smoke: bool) -> torch.device:
@@ -390,8 +382,8 @@ def run_fresh(
     script: str, args: List[str], timeout: float, caches: Optional[Path] = None, log: Optional[Path] = None
 ) -> Dict[str, Any]:
     """``python script args... --worker-out FILE`` in a fresh process with empty Inductor and Triton caches of its
-    own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote, with ``process_s``;
-    on a failure or a timeout, with ``error`` (and whatever the worker wrote before), the output appended to ``log``."""
+    own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote; on a failure or a
+    timeout, only the ``error``, the output appended to ``log``."""
 
     def text(output: Any) -> str:  # a timeout's output comes as bytes, or None
         return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
@@ -405,7 +397,7 @@ def run_fresh(
         env = os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
         env |= {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TRITON_CACHE_DIR": str(folder / "triton")}
         command = [sys.executable, str(script), *args, "--worker-out", str(out)]
-        started, error = time.perf_counter(), None
+        error = None
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
             output = done.stdout + done.stderr
@@ -414,21 +406,13 @@ def run_fresh(
         except subprocess.TimeoutExpired as expired:
             output = text(expired.stdout) + text(expired.stderr)
             error = f"timed out after {timeout:.0f} s | " + tail(text(expired.stderr))
-        result = json.loads(out.read_text()) if out.exists() else {}
-    if error is not None:
-        result["error"] = error
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with log.open("a") as file:
-                file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
-    return result | {"process_s": time.perf_counter() - started}
-
-
-def fresh_row(script: str, args: List[str], timeout: float, row: Optional[Dict[str, Any]] = None, **options) -> Dict:
-    """``run_fresh`` for one row: the worker's result, or on a failure ``row`` with the ``error``."""
-    result = run_fresh(script, args, timeout, **options)
-    result.pop("process_s")
-    return dict(row or {}, error=result["error"]) if result.get("error") else result
+        if error is None:
+            return json.loads(out.read_text())
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as file:
+            file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
+    return {"error": error}
 
 
 def worker(out: Path, measure: Callable[[], Any], timeout: Optional[float] = None) -> None:

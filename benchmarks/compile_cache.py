@@ -210,4 +210,4 @@ BENCHMARK = common.Benchmark(
 )
 
 if __name__ == "__main__":
-    common.main(BENCHMARK, __doc__.split("\n")[0])
+    common.main(BENCHMARK, __doc__)

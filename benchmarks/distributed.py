@@ -211,7 +211,6 @@ BENCHMARK = common.Benchmark(
         "--batch": dict(type=int, default=8, help="samples per rank a step"),
     },
     smoke=dict(steps=4, batch=2),
-    smoke_help="CPU, 2 gloo processes, tiny models, aot_eager",
     finish=compare_to_one,
     notes=lambda args, rows: [
         "Weak scaling: each rank trains the same batch a step; samples/s counts every rank's samples, from the "

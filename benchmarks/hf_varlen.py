@@ -246,11 +246,10 @@ BENCHMARK = common.Benchmark(
         "--seed": dict(type=int, default=0),
     },
     smoke=dict(steps=8, batch_size=2, min_length=8, max_length=64, backend="aot_eager"),
-    smoke_help="tiny Llama on the CPU, aot_eager, 8 steps",
     finish=add_ratios,
     notes=notes,
     baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)",
 )
 
 if __name__ == "__main__":
-    common.main(BENCHMARK, __doc__.splitlines()[0])
+    common.main(BENCHMARK, __doc__)

@@ -192,7 +192,6 @@ BENCHMARK = common.Benchmark(
         "--cache-policies": dict(default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)"),
     },
     smoke=dict(steps=4),
-    smoke_help="CPU, tiny models, aot_eager",
     finish=vs_full_cold,
     notes=lambda args, rows: [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "

@@ -192,7 +192,6 @@ BENCHMARK = common.Benchmark(
     shared=dict(steps=1000, backend="inductor"),
     options={"--variants": dict(nargs="+", choices=VARIANTS, default=VARIANTS)},
     smoke=dict(steps=20, backend="aot_eager"),
-    smoke_help="tiny model on the CPU with aot_eager, 20 steps",
     finish=with_ratios,
     notes=notes,
     in_process=True,

@@ -296,7 +296,6 @@ BENCHMARK = common.Benchmark(
         "--budget-s": dict(type=float, default=540, help="variants that would start past it: error rows"),
     },
     smoke=dict(steps=3, warmup=2, backend="aot_eager", policies=["regional", "regional_nested"], variants=SMOKE_PEERS),
-    smoke_help="tiny configs on the CPU, aot_eager, few steps, all in one process",
     finish=summarize,
     notes=notes,
     skip=skip,

@@ -107,7 +107,6 @@ BENCHMARK = common.Benchmark(
         "--peak-tflops": dict(type=float, help="device peak for MFU (H200: 989)"),
     },
     smoke=dict(batch_size=4, windows=2, steps_per_window=3, backend="eager"),
-    smoke_help="tiny model on the CPU with the eager backend",
     notes=lambda args, rows: [
         f"policy regional, backend {args.backend}; {WARMUP} steps with telemetry (the first compiles), then "
         f"{args.windows} windows of {args.steps_per_window} steps per arm, off and on alternating (ABBA); step "

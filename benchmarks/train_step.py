@@ -241,7 +241,6 @@ BENCHMARK = common.Benchmark(
         "--max-eager-steps": dict(type=int, default=5000, help="background compile: most eager steps"),
     },
     smoke=dict(steps=3, warmup=2, batch_size=2, backend="aot_eager"),
-    smoke_help="tiny model on the CPU with aot_eager",
     finish=summarize,
     notes=notes,
     timed=tuple("first_step_s step_ms slowest_step_ms tokens_per_s tflops mfu compiled_after_s".split()),
