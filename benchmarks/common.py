@@ -169,17 +169,14 @@ def frame_compile_seconds(metric: Any) -> float:
     return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
 
 
-def split_variant(variant: str) -> Tuple[str, Dict[str, str]]:
-    """``name@key=value@...``: a benchmark variant's name and its overrides (an experiment on a bundled policy)."""
-    name, *pairs = variant.split("@")
-    return name, {key: value for key, _, value in (pair.partition("=") for pair in pairs)}
-
-
-def with_rule_changes(policy: Any, **changes: str) -> Any:
-    """``policy`` with every rule's fields in ``changes`` replaced (``rest="outer"``, ``action="full"``)."""
+def variant_policy(variant: str, **settings: Any) -> Any:
+    """The policy a variant names, ``name@key=value@...``: the bundled ``name`` (with ``settings``), every rule's
+    ``key`` set to ``value`` (``regional@rest=outer``: an experiment on a bundled policy)."""
     from compile_trainer.schema import to_policy
 
-    return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules])
+    name, *pairs = variant.split("@")
+    policy, changes = to_policy(name, **settings), dict(pair.split("=", 1) for pair in pairs)
+    return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules]) if changes else policy
 
 
 def git_commit() -> Optional[str]:
@@ -200,9 +197,26 @@ def environment() -> Dict[str, Any]:
     return meta | {name: installed.get(name) for name in ("triton", "lightning", "transformers", "timm", "accelerate")}
 
 
-def peak_flops(device: torch.device) -> Optional[float]:
-    """The GPU's dense bf16 peak FLOP/s from the library's table (H100, H200, A100); None elsewhere."""
-    return table_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
+def flop_rates(flops: Optional[float], step_s: float, device: torch.device) -> Dict[str, Optional[float]]:
+    """TFLOP/s of a step of ``flops`` in ``step_s``, and its MFU against the GPU's dense bf16 peak from the
+    library's table (H100, H200, A100; None elsewhere)."""
+    peak = table_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
+    rate = flops / step_s if flops else None
+    return {"tflops": rate / 1e12 if rate else None, "mfu": rate / peak if rate and peak else None}
+
+
+def timed_row(times: Dict[str, float], device: torch.device, flops: Optional[float]) -> Dict[str, Any]:
+    """A timed run's figures from ``first_warm_timed``'s ``times``: its first step, median and slowest step, their
+    TFLOP/s and MFU, the peak memory and the graphs Dynamo compiled."""
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {
+        "first_step_s": times["first_step_s"],
+        "step_ms": times["step_s"] * 1e3,
+        "slowest_step_ms": times["slowest_step_s"] * 1e3,
+        **flop_rates(flops, times["step_s"], device),
+        "peak_mem_gib": memory,
+        "graphs": compat.unique_graphs(),
+    }
 
 
 def synchronize(device: torch.device) -> None:
@@ -288,10 +302,6 @@ def training_step(
         return loss.detach()
 
     return step
-
-
-def peak_memory_gib(device: torch.device) -> Optional[float]:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def recompile_reasons(limit: Optional[int] = None) -> List[str]:

@@ -50,11 +50,10 @@ loss_rel_diff_vs_cold error""".split()
 
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
-    """The model, random weights, dropout off; ``forward(tokens)`` returns the loss."""
+    """The model (random weights, dropout off) whose ``forward(tokens)`` returns the loss."""
     with device:
-        if name == "llama":
-            return TokenLoss(build_model("llama", smoke)[0], hf=True)
-        return TokenLoss(GPT(SMOKE if smoke else GPT2_SMALL), hf=False)
+        model = build_model("llama", smoke)[0] if name == "llama" else GPT(SMOKE if smoke else GPT2_SMALL)
+    return TokenLoss(model, hf=name == "llama")
 
 
 def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
@@ -98,6 +97,8 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     summary = cache.summary(compile_s)
     dynamo_s, backend_s = compile_phases()
     load_s = (summary.get("cache_load_s") or 0) + first_load_s
+    precompiled = f"{summary.get('cache_precompiled_hits')}/{summary.get('cache_precompiled_misses')}"
+    precompiled = precompiled if "cache_precompiled_hits" in summary else summary.get("cache_precompiled_off")
     return {
         "first_step_s": first_step,
         "load_s": load_s,
@@ -110,19 +111,13 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
         "compiler_import_s": compiler_import_s,
         "cache": summary["cache_status"] + (f" ({summary['cache_reason']})" if summary.get("cache_reason") else ""),
         "fx_graph_hit_miss": f"{summary.get('cache_fx_graph_hits', 0)}/{summary.get('cache_fx_graph_misses', 0)}",
-        "precompiled_hit_miss": _hit_miss(summary, "cache_precompiled"),
+        "precompiled_hit_miss": precompiled,
         "precompiled_skipped": summary.get("cache_precompiled_skipped"),  # region -> why it was not captured
         "bundle_mb": (cache.outcome.bundle_bytes or cache.outcome.saved_bytes) / 1e6 or None,
         "save_s": summary.get("cache_save_s") or None,
         "startup_s": startup,
         "losses": losses,
     }
-
-
-def _hit_miss(summary: Dict[str, Any], prefix: str) -> Any:
-    if f"{prefix}_hits" not in summary:
-        return summary.get(f"{prefix}_off")
-    return f"{summary[f'{prefix}_hits']}/{summary[f'{prefix}_misses']}"
 
 
 def import_compiler(device: torch.device) -> float:

@@ -114,10 +114,10 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     tokens = args.model == "llama"
-    per_step, peak = data[0]["input_ids"].numel() if tokens else data[0][0].shape[0], common.peak_flops(device)
+    per_step = data[0]["input_ids"].numel() if tokens else data[0][0].shape[0]
     row = {"model": args.model, "variant": args.variant, "first_step_s": seconds[0], "step_ms": step * 1e3}
     row |= {"units": "tokens" if tokens else "images", "per_s": per_step / step, "error": None}
-    row["mfu"] = flops / step / peak if peak else None
+    row |= common.flop_rates(flops, step, device)
     if callback is not None:
         summary = callback.summary()
         own, mfu = summary.get("steady_items_per_s" if tokens else "steady_samples_per_s"), summary.get("mfu")

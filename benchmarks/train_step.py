@@ -166,18 +166,10 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
 
 def finish(times, args, config, device, flops, losses, background) -> Dict[str, Any]:
     """The row: times, throughput, compile counts and the first losses (against eager's in ``summarize``)."""
-    from torch._dynamo.utils import calculate_time_spent, counters
+    from torch._dynamo.utils import calculate_time_spent
 
-    step_time, tokens, peak = times["step_s"], args.batch_size * config.block_size, common.peak_flops(device)
-    row = {
-        "first_step_s": times["first_step_s"],
-        "step_ms": step_time * 1e3,
-        "slowest_step_ms": times["slowest_step_s"] * 1e3,
-        "tokens_per_s": tokens * args.steps / times["window_s"],
-        "tflops": flops / step_time / 1e12,
-        "mfu": flops / step_time / peak if peak else None,
-        "peak_mem_gib": common.peak_memory_gib(device),
-        "graphs": counters["stats"]["unique_graphs"],
+    row = common.timed_row(times, device, flops) | {
+        "tokens_per_s": args.batch_size * config.block_size * args.steps / times["window_s"],
         "recompile_reasons": common.recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
         "compile_breakdown": {k: round(v, 2) for k, v in calculate_time_spent().items()},
