@@ -1,7 +1,7 @@
 """The benchmarks' harness. A script declares a ``Benchmark`` (its runs, the flags it adds, how to measure one run,
 its ratios and notes) and calls ``main``: each run in a fresh process with empty Inductor/Triton caches (``run_fresh``;
 ``worker`` in that process) or in this process with the compiler state reset, the result file (``write_result``)
-written after each run, the table (``print_table``) at the end. Also step timing (``StepTimer``, ``time_steps``,
+written after each run, the table (``print_table``) at the end. Also step timing (``StepTimer``,
 ``first_warm_timed``). Importable without hydra, omegaconf or wandb (the GPU image has none).
 """
 
@@ -248,10 +248,21 @@ class StepTimer:
         return [end - start for start, end in self.pairs]
 
 
-def time_steps(device: torch.device, step: Callable[[int], None], steps: int, start: int = 0) -> Dict[str, float]:
-    """``step(index)`` for ``steps`` indices from ``start``, each timed, and the window's wall time between two
-    device syncs."""
-    timer = StepTimer(device)
+def first_warm_timed(
+    device: torch.device, step: Callable, warmup: int, steps: int, eager: Callable = lambda: False, max_eager: int = 0
+) -> Dict[str, float]:
+    """``step(index)`` for a run: the first step timed alone (``first_step_s``: its compile), steps while ``eager()``
+    (a background compile not in use yet; ``max_eager`` in all), ``warmup - 1`` more, then ``steps`` each timed
+    (``step_s``: their median; ``slowest_step_s``) and the window's wall time between two device syncs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first_step, start, timer = timed(device, lambda: step(0)), 1, StepTimer(device)
+    while eager() and start < max_eager:
+        step(start)
+        start += 1
+    for index in range(start, start + warmup - 1):
+        step(index)
+    start += max(warmup - 1, 0)
 
     def window() -> None:
         for index in range(start, start + steps):
@@ -260,24 +271,8 @@ def time_steps(device: torch.device, step: Callable[[int], None], steps: int, st
             timer.stop(started)
 
     window_s, seconds = timed(device, window), timer.seconds()
-    return {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": window_s}
-
-
-def first_warm_timed(
-    device: torch.device, step: Callable, warmup: int, steps: int, eager: Callable = lambda: False, max_eager: int = 0
-) -> Dict[str, float]:
-    """The first step timed alone (``first_step_s``: its compile), steps while ``eager()`` (a background compile
-    not in use yet; ``max_eager`` in all), ``warmup - 1`` more, then ``time_steps``; ``next_step``: the index after."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    first_step, start = timed(device, lambda: step(0)), 1
-    while eager() and start < max_eager:
-        step(start)
-        start += 1
-    for index in range(start, start + warmup - 1):
-        step(index)
-    start += max(warmup - 1, 0)
-    return time_steps(device, step, steps, start) | {"first_step_s": first_step, "next_step": start + steps}
+    median, slowest = statistics.median(seconds), max(seconds)
+    return {"first_step_s": first_step, "step_s": median, "slowest_step_s": slowest, "window_s": window_s}
 
 
 def training_step(

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.utilities import move_data_to_device  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks import common  # noqa: E402
@@ -101,9 +102,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
     module = Plain(args.model, net.to(device))
-    first = data[0]
-    first = {k: v.to(device) for k, v in first.items()} if isinstance(first, dict) else [t.to(device) for t in first]
-    flops = count_flops(net, lambda: module.training_step(first, 0), device.type, autocast=device.type == "cuda")
+    first = move_data_to_device(data[0], device)
+    flops = count_flops(net, lambda: module.training_step(first, 0), device)
     callback = CompileCallback(args.variant, **backend) if args.variant not in ("eager", "by_hand") else None
     if args.variant == "by_hand":
         module.net = torch.compile(net, **backend)

@@ -107,12 +107,6 @@ def result_body(path: str, result: Dict[str, Any], headline: bool) -> List[str]:
     return lines + [""]
 
 
-def commentary(json_path: Path) -> List[str]:
-    """What the numbers say, written by whoever ran it: ``<name>.md`` beside the result file."""
-    text_path = json_path.with_suffix(".md")
-    return [text_path.read_text().strip(), ""] if text_path.exists() else []
-
-
 def load_sweep(directory: Path) -> Optional[Dict[str, Any]]:
     """A sweep's runs (``<directory>/<job>/result.json``) and, for a former headline, its ``experiment.json``; or
     None when the directory holds no runs."""
@@ -246,10 +240,13 @@ def sections(folder: Path, shown: str, headline: bool, out_dir: Path, plotted: O
     if not headline:  # newest first
         names.sort(key=lambda name: loaded[name][1].get("meta", {}).get("date", ""), reverse=True)
     found = []
-    for name in ordered(names, HEADLINE_ORDER if headline else EXPERIMENT_ORDER):
+    order = HEADLINE_ORDER if headline else EXPERIMENT_ORDER
+    for name in [n for n in order if n in names] + [n for n in names if n not in order]:
         path, result = loaded[name]
         title = (result.get("title") or name) if headline else f"{result.get('title', name)} ({name})"
-        body = result_body(f"{shown}/{name}.json", result, headline) + commentary(path)
+        body = result_body(f"{shown}/{name}.json", result, headline)
+        if path.with_suffix(".md").exists():  # what the numbers say, written by whoever ran it
+            body += [path.with_suffix(".md").read_text().strip(), ""]
         if name == plotted and "rows" in result and train_step_plot(result, out_dir / "train_step.png"):
             body += ["![cold start vs throughput](train_step.png)", ""]
         found.append((result.get("experiment") or title, body))
@@ -259,10 +256,6 @@ def sections(folder: Path, shown: str, headline: bool, out_dir: Path, plotted: O
             body = sweep_body(f"{shown}/{directory.name}/", sweep, out_dir)
             found.append((sweep.get("experiment") or sweep_title(sweep), body))
     return found
-
-
-def ordered(names: List[str], order: List[str]) -> List[str]:
-    return [n for n in order if n in names] + [n for n in names if n not in order]
 
 
 def main() -> None:

@@ -134,8 +134,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     batches, items = make_batches(args.model, args.smoke, size, device)
     flops, notes = None, []
     try:
-        loss = partial(loss_of, spec.family, model, batches[0])
-        flops = models.count_flops(model, loss, device.type, autocast=device.type == "cuda")
+        flops = models.count_flops(model, partial(loss_of, spec.family, model, batches[0]), device)
     except Exception as error:  # no MFU, but the variant's other numbers
         notes.append(f"FLOPs not counted: {type(error).__name__}: {error}"[:300])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")

@@ -22,7 +22,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import StepTimer, synchronize  # noqa: E402
 from benchmarks.models import GPT2_SMALL, count_flops  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
@@ -52,8 +51,7 @@ def setup(args: argparse.Namespace, config: GPTConfig, device: torch.device):
     torch.manual_seed(0)
     module = LanguageModel(model=asdict(config), lr=6e-4, warmup_steps=10, fused=device.type == "cuda").to(device)
     first = batches[0].to(device)
-    loss = lambda: module.model(first[:, :-1], first[:, 1:])[1]  # noqa: E731
-    return module, batches, count_flops(module.model, loss, device.type, autocast=device.type == "cuda")
+    return module, batches, count_flops(module.model, lambda: module.model(first[:, :-1], first[:, 1:])[1], device)
 
 
 def policy_for(variant: str, backend: str):
@@ -117,7 +115,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
         stops the Trainer."""
 
         def __init__(self):
-            self.timer, self.started = StepTimer(device), None
+            self.timer, self.started = common.StepTimer(device), None
             self.wall = self.first_step = self.window = 0.0
             self.timed_from: Optional[int] = None  # the first timed batch index
             self.losses: List[torch.Tensor] = []
@@ -127,7 +125,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if self.timed_from is None and (background is None or background.installed):
                 self.timed_from = batch_idx + args.warmup
             if batch_idx in (0, self.timed_from):
-                synchronize(device)
+                common.synchronize(device)
                 self.wall = time.perf_counter()
             timed = self.timed_from is not None and self.timed_from <= batch_idx < self.timed_from + args.steps
             self.started = self.timer.start() if timed else None
@@ -137,10 +135,10 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if self.started is not None:
                 self.timer.stop(self.started)
             if batch_idx == 0:
-                synchronize(device)
+                common.synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
             if self.timed_from is not None and batch_idx == self.timed_from + args.steps - 1:
-                synchronize(device)
+                common.synchronize(device)
                 self.window = time.perf_counter() - self.wall
                 trainer.should_stop = True
 
