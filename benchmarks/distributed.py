@@ -33,6 +33,7 @@ from recipes.gpt import GPT, GPTConfig  # noqa: E402
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
+CACHE_FIELDS = "status precompiled_hits precompiled_misses precompiled_captures precompiled_load_s precompiled_skipped"
 
 
 class Benchmarked(pl.LightningModule):
@@ -93,10 +94,8 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
     on_gpu = torch.cuda.is_available() and not args.smoke
     overrides: Dict[str, Any] = {"backend": "aot_eager"} if args.smoke else {}
-    if args.collectives:
-        overrides["distributed"] = {"consistent_dynamic_shapes": True}
-    if args.cache_dir:
-        overrides["cache"] = {"dir": args.cache_dir}
+    overrides |= {"distributed": {"consistent_dynamic_shapes": True}} if args.collectives else {}
+    overrides |= {"cache": {"dir": args.cache_dir}} if args.cache_dir else {}
     callback = CompileCallback(args.policy, print_plan=False, telemetry={"measure_flops": False}, **overrides)
     torch.manual_seed(0)
     module = Benchmarked(args, callback)
@@ -127,9 +126,6 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
 
     medians = by_rank("steady_step_time_median_s") or [None]
     per_rank = summary.get("steady_samples_per_s")
-    cache_keys = (
-        "status precompiled_hits precompiled_misses precompiled_captures precompiled_load_s precompiled_skipped"
-    )
     return {
         # every rank steps together: the slowest rank's median step sets the pace
         "samples_per_s": args.batch * args.gpus / max(medians) if None not in medians else None,
@@ -141,7 +137,7 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
         "graphs_by_rank": by_rank("graphs", "unique_graphs"),
         "peak_memory_gb_by_rank": [round(m / 2**30, 2) if m else None for m in by_rank("peak_memory_bytes") or []],
         "compile_s_max": ranks.get("compile_time_s_max", summary.get("compile_time_s")),
-        "cache": {key: summary.get(f"cache_{key}") for key in cache_keys.split()} if args.cache_dir else None,
+        "cache": {key: summary.get(f"cache_{key}") for key in CACHE_FIELDS.split()} if args.cache_dir else None,
         "error": None,
     }
 

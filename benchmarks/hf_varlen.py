@@ -21,6 +21,7 @@ import math
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -68,25 +69,24 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """The stream under ``args.variant`` (timed step by step, compiles included), then its steady pass."""
-    with common.fresh_compiler_state():
-        device = torch.device("cpu" if args.smoke else "cuda")
-        torch.manual_seed(0)
-        model, _, vocab = build_model("llama", args.smoke)
-        model = model.to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-        batches = stream(args, vocab)
-        if args.variant in ("plain", "fixed_length"):
-            batches = packed(batches, args) if args.variant == "fixed_length" else batches
-            forward, policy, applied, shaper = torch.compile(model, backend=args.backend), None, None, None
-        else:
-            shapes = {"shapes": {"pad": {"max": args.max_length}}} if args.variant == "buckets_auto" else {}
-            policy, forward = to_policy(args.variant, backend=args.backend, **shapes), model
-            # the bundled rules (name: "*") match the model as in a LightningModule
-            applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
-            shaper = BatchShaper(policy.shapes)
-            RegionShapeInterceptors(applied, shaper)
-        train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
-        return run_stream(args, batches, policy, applied, shaper, train_step, device)
+    device = common.device_for(args.smoke)
+    torch.manual_seed(0)
+    model, _, vocab = build_model("llama", args.smoke)
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    batches = stream(args, vocab)
+    if args.variant in ("plain", "fixed_length"):
+        batches = packed(batches, args) if args.variant == "fixed_length" else batches
+        forward, policy, applied, shaper = torch.compile(model, backend=args.backend), None, None, None
+    else:
+        shapes = {"shapes": {"pad": {"max": args.max_length}}} if args.variant == "buckets_auto" else {}
+        policy, forward = to_policy(args.variant, backend=args.backend, **shapes), model
+        # the bundled rules (name: "*") match the model as in a LightningModule
+        applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
+        shaper = BatchShaper(policy.shapes)
+        RegionShapeInterceptors(applied, shaper)
+    train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
+    return run_stream(args, batches, policy, applied, shaper, train_step, device)
 
 
 def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Dict[str, Any]:
@@ -112,25 +112,20 @@ def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Di
         batch = {k: v.to(device) for k, v in batch.items()}
         real += int(batch["attention_mask"].sum())
         if warmup is not None and warmup.pending:
-            warm_started, telemetry.phase = time.perf_counter(), WARMUP_PHASE  # its compiles are not recompiles
-            warmup.replay()
-            common.synchronize(device)
-            warmup_s += time.perf_counter() - warm_started
+            telemetry.phase = WARMUP_PHASE  # its compiles are not recompiles
+            warmup_s += common.timed(device, warmup.replay)
             telemetry.phase = "train"
         if shaper is not None:
             batch = shaper(batch)
             if warmup is not None:
                 sample = shaper.length_of(batch)
                 warmup.length, warmup.batch_size = sample.length, sample.rows
+        length = int(batch["input_ids"].shape[1])
         positions += batch["input_ids"].numel()
         eager = background is not None and not background.installed and not background.poll()
-        if eager:
-            eager_lengths[int(batch["input_ids"].shape[1])] += 1
-        before, step_started = telemetry.compile_count, time.perf_counter()
-        train_step(batch)
-        common.synchronize(device)
-        seconds = time.perf_counter() - step_started
-        length = int(batch["input_ids"].shape[1])
+        eager_lengths[length] += eager
+        before = telemetry.compile_count
+        seconds = common.timed(device, partial(train_step, batch))
         step_ms.append([length, occurrences[length] == 0, round(seconds * 1e3, 2)])
         # CUDA graph trees run a new shape once to warm up and record it at its second run
         recording = cuda_graphs and occurrences[length] < 2
@@ -147,8 +142,6 @@ def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Di
     steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
     telemetry.collect()
     telemetry.uninstall()
-    metrics = list(compat.compilation_metrics())
-    recompiles = [m for m in metrics if common.is_recompile(m)]
     return {
         "variant": args.variant,
         "first_step_s": step_ms[0][2] / 1e3,
@@ -163,10 +156,10 @@ def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Di
         "graphs": compat.unique_graphs(),
         # a frame's compiles after its first, bucket warm-up's aside
         "recompiles_after_warmup": telemetry.totals()["recompiles"],
-        "dynamo_metrics_recorded": len(metrics),
+        "dynamo_metrics_recorded": len(compat.compilation_metrics()),
         "padding": positions / real - 1,
         "buckets": shaper.buckets if shaper is not None else None,
-        "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in recompiles][:10],
+        "recompile_reasons": common.recompile_reasons(limit=10),
         "steps": len(batches),
         "real_tokens": real,
         "step_ms": step_ms,
