@@ -167,10 +167,9 @@ def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[st
 
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Each model and policy's phases, cold first; a phase's Inductor and Triton caches are its machine's (the
-    cold phase's for same_machine), its bundles in ``--cache-dir``."""
-    cache_dir = args.cache_dir or str(args.scratch / "bundles")
+    cold phase's for same_machine), the bundles in one folder."""
     return [
-        {"model": model, "policy": policy, "phase": phase, "_cache_dir": cache_dir}
+        {"model": model, "policy": policy, "phase": phase, "_cache_dir": str(args.scratch / "bundles")}
         | {"_caches": args.scratch / f"{model}_{policy}_{'cold' if phase == 'same_machine' else phase}"}
         for model, policy in itertools.product(args.models, args.policies)
         for phase in ["cold", *(p for p in args.phases if p != "cold")]
@@ -188,7 +187,6 @@ BENCHMARK = common.Benchmark(
         "--models": dict(nargs="+", choices=MODELS, default=list(MODELS)),
         "--policies": dict(nargs="+", choices=POLICIES, default=list(POLICIES)),
         "--phases": dict(nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first"),
-        "--cache-dir": dict(help="where bundles go (a directory or an fsspec URL); default: a temp dir"),
     },
     finish=finish,
     notes=lambda args, rows: [

@@ -14,9 +14,9 @@ first step is the cold compile a user pays. ``--policies regional@rest=outer``: 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -27,22 +27,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, models  # noqa: E402
-from benchmarks.models import build_model, has_module  # noqa: E402
 from compile_trainer import apply_policy  # noqa: E402
 from compile_trainer.schema.load import bundled_policy_names  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model's batch: ``batch`` sequences of ``size`` tokens, or ``batch`` images of ``size`` x ``size``."""
-
-    family: str  # "lm" or "vision"
-    batch: int
-    size: int
-    unit: str
-
-
+# One model's batch: ``batch`` sequences of ``size`` tokens (family "lm"), or ``batch`` images of ``size`` x ``size``
+ModelSpec = collections.namedtuple("ModelSpec", "family batch size unit")
 LM, VISION = ModelSpec("lm", 8, 1024, "tokens"), ModelSpec("vision", 64, 224, "images")
 # the last four as users configure them for training (issue 31): config defaults, stochastic depth, stages, 2 stacks
 MODELS = {"llama": LM, "gpt2": LM, "vit": VISION, "resnet50": VISION, "llama_default": LM}
@@ -129,7 +119,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     with device:  # initialized where it trains: on the GPU, seconds faster than on the host
-        model, source, size = build_model(args.model, args.smoke)
+        model, source, size = models.build_model(args.model, args.smoke)
     model.to(device).train()
     batches, items = make_batches(args.model, args.smoke, size, device)
     flops, notes = None, []
@@ -186,7 +176,7 @@ def guess_seconds(model: str, variant: str) -> float:
 def skip(run: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
     """Why a run cannot run here (checked without starting a worker), or would likely not end within ``--budget-s``."""
     variant = run["variant"]
-    if variant == "compile_regions" and not has_module("accelerate"):
+    if variant == "compile_regions" and not models.has_module("accelerate"):
         return "accelerate not installed"
     name = variant[len(POLICY_PREFIX) :].split("@")[0]
     if variant.startswith(POLICY_PREFIX) and name not in bundled_policy_names():
@@ -235,7 +225,7 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
     notes = [f"{m}: {batch_text(MODELS[m])} a step" for m in args.models]
     notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
     vision = {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
-    notes += [TIMM_NOTE] if has_module("timm") and vision and "compile_regions" in args.variants else []
+    notes += [TIMM_NOTE] if models.has_module("timm") and vision and "compile_regions" in args.variants else []
     return notes + [
         f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "
         f"steps, the first timed alone (first_step_s); backend {args.backend or 'inductor'}; "
