@@ -5,8 +5,6 @@ written after each run, the table (``print_table``) at the end. Also step timing
 ``first_warm_timed``). Importable without hydra, omegaconf or wandb (the GPU image has none).
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import faulthandler

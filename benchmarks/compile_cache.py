@@ -11,8 +11,6 @@ directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and `
     python benchmarks/compile_cache.py --smoke --models gpt2_small --policies regional --out /tmp/x  # CPU, Inductor
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import sys
@@ -27,8 +25,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import GPT2_SMALL, TokenLoss, build_model  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import apply_policy, to_policy  # noqa: E402
 from compile_trainer.cache.session import CompileCache  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
@@ -52,8 +49,8 @@ loss_rel_diff_vs_cold error""".split()
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
     """The model (random weights, dropout off) whose ``forward(tokens)`` returns the loss."""
     with device:
-        model = build_model("llama", smoke)[0] if name == "llama" else GPT(SMOKE if smoke else GPT2_SMALL)
-    return TokenLoss(model, hf=name == "llama")
+        model = models.build_model("llama", smoke)[0] if name == "llama" else GPT(SMOKE if smoke else models.GPT2_SMALL)
+    return models.TokenLoss(model, hf=name == "llama")
 
 
 def run_phase(args: argparse.Namespace) -> Dict[str, Any]:

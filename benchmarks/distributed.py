@@ -12,20 +12,19 @@ CPU smoke run (2 gloo processes, tiny models, aot_eager; no collectives: gloo re
     python benchmarks/distributed.py --smoke --out /tmp/distributed.json
 """
 
-from __future__ import annotations
-
 import argparse
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from benchmarks.models import GPT2_SMALL, build_model  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback, apply_policy  # noqa: E402
 from compile_trainer.compiling.regions import APPLIED_ATTR  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
@@ -44,10 +43,10 @@ class Benchmarked(pl.LightningModule):
         super().__init__()
         self.args, self.policy = args, callback.policy
         if args.model == "gpt2":
-            config = GPTConfig(**SMOKE_GPT2) if args.smoke else GPT2_SMALL
+            config = GPTConfig(**SMOKE_GPT2) if args.smoke else models.GPT2_SMALL
             self.model, self.vocab = GPT(config), config.vocab_size
         else:
-            self.model, _, self.vocab = build_model("llama", args.smoke)
+            self.model, _, self.vocab = models.build_model("llama", args.smoke)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -61,8 +60,6 @@ class Benchmarked(pl.LightningModule):
     def configure_model(self) -> None:
         if self.args.strategy != "fsdp2":
             return
-        from torch.distributed.fsdp import fully_shard
-
         if self.policy.compiles_modules and getattr(self, APPLIED_ATTR, None) is None:
             apply_policy(self, self.policy)
         mesh = self.device_mesh["data_parallel"]
@@ -90,8 +87,6 @@ def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
 
 def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """One training job (every rank runs this); rank 0's row."""
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-
     on_gpu = torch.cuda.is_available() and not args.smoke
     overrides: Dict[str, Any] = {"backend": "aot_eager"} if args.smoke else {}
     overrides |= {"distributed": {"consistent_dynamic_shapes": True}} if args.collectives else {}

@@ -13,8 +13,6 @@ run eagerly), ``buckets_auto`` (4 buckets from the first 64 batches' lengths), a
 tokens in full rows, ``torch.compile``: the reference).
 """
 
-from __future__ import annotations
-
 import argparse
 import collections
 import math
@@ -30,8 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import build_model  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import apply_policy, compat, to_policy  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
@@ -71,7 +68,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """The stream under ``args.variant`` (timed step by step, compiles included), then its steady pass."""
     device = common.device_for(args.smoke)
     torch.manual_seed(0)
-    model, _, vocab = build_model("llama", args.smoke)
+    model, _, vocab = models.build_model("llama", args.smoke)
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     batches = stream(args, vocab)

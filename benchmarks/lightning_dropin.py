@@ -10,8 +10,6 @@ under eager, ``torch.compile`` by hand, and ``CompileCallback`` with ``regional`
     python benchmarks/lightning_dropin.py --smoke --out /tmp/dropin.json     # CPU, tiny models, aot_eager
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import statistics
@@ -29,8 +27,7 @@ import torch  # noqa: E402
 from lightning.pytorch.utilities import move_data_to_device  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import TIMM_VIT_TINY, build_model, count_flops  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback  # noqa: E402
 
 MODELS = ("llama", "vit")
@@ -48,10 +45,10 @@ COLUMNS = [
 def build(name: str, smoke: bool) -> nn.Module:
     """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in)."""
     if name == "llama":
-        return build_model("llama", smoke)[0]
+        return models.build_model("llama", smoke)[0]
     import timm
 
-    tiny = TIMM_VIT_TINY if smoke else {}
+    tiny = models.TIMM_VIT_TINY if smoke else {}
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000, **tiny)
 
 
@@ -103,7 +100,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     data = batches(args.model, args.smoke, args.steps)
     module = Plain(args.model, net.to(device))
     first = move_data_to_device(data[0], device)
-    flops = count_flops(net, lambda: module.training_step(first, 0), device)
+    flops = models.count_flops(net, lambda: module.training_step(first, 0), device)
     callback = CompileCallback(args.variant, **backend) if args.variant not in ("eager", "by_hand") else None
     if args.variant == "by_hand":
         module.net = torch.compile(net, **backend)

@@ -6,8 +6,6 @@ file (what the numbers say, printed after the table). The page opens with ``repo
     python benchmarks/make_report.py
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import re

@@ -2,8 +2,6 @@
 ResNet-50, ConvNeXt-T (timm's, or transformers' where timm is not installed); random weights, dropout off; and
 their FLOP count for MFU."""
 
-from __future__ import annotations
-
 import importlib.util
 from typing import Callable, Tuple
 

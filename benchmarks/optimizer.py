@@ -7,8 +7,6 @@ How the rows are timed: docs/optimizer.md ("The benchmark").
     TRITON_INTERPRET=1 python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json   # CPU, as CI runs it
 """
 
-from __future__ import annotations
-
 import functools
 import math
 import statistics
@@ -23,9 +21,7 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile  # noqa: E402
-from benchmarks.models import GPT2_SMALL  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
@@ -91,7 +87,7 @@ def run_variant(variant: str, initial: List[torch.Tensor], grads: List[torch.Ten
     compiled = compiled if isinstance(compiled, CompiledOptimizerStep) else None
     # steps that compile or run auto's trial, not steady state: the first 2, or the trial and 2 more
     warmup = 2 + (len(compiled._trial.schedule) if compiled is not None and compiled._trial is not None else 0)
-    timer, host_ms, snapshots, kernels_at_warmup = StepTimer(initial[0].device), [], [], 0
+    timer, host_ms, snapshots, kernels_at_warmup = common.StepTimer(initial[0].device), [], [], 0
     for index in range(args.steps):
         if index == warmup and compiled is not None:
             kernels_at_warmup = len(getattr(compiled.update, "specializations", ()))
@@ -111,9 +107,9 @@ def run_variant(variant: str, initial: List[torch.Tensor], grads: List[torch.Ten
         "gb_per_s": PASSES * sum(p.numel() * p.element_size() for p in params) / steady_ms / 1e6,
         "host_ms": statistics.median(host_ms[warmup:]),
         "first_steps_s": sum(step_ms[:warmup]) / 1000,
-        "compile_s": sum(frame_compile_seconds(m) for m in compiles),
+        "compile_s": sum(common.frame_compile_seconds(m) for m in compiles),
         "frames_compiled": len(compiles),
-        "recompiles": sum(1 for m in compiles if is_recompile(m)),
+        "recompiles": sum(1 for m in compiles if common.is_recompile(m)),
         "graph_breaks": sum(counters["graph_break"].values()),
     }
     if compiled is not None:
@@ -134,7 +130,7 @@ def parameters(smoke: bool) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """GPT-2 small's (or the tiny model's) initial parameters and a gradient for each, made once a process."""
     device = common.device_for(smoke)
     torch.manual_seed(0)
-    initial = [p.detach().clone() for p in GPT(TINY if smoke else GPT2_SMALL).to(device).parameters()]
+    initial = [p.detach().clone() for p in GPT(TINY if smoke else models.GPT2_SMALL).to(device).parameters()]
     generator = torch.Generator(device=device).manual_seed(1)
     return initial, [torch.randn(t.shape, device=device, generator=generator) * 1e-3 for t in initial]
 

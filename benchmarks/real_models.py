@@ -11,8 +11,6 @@ first step is the cold compile a user pays. ``--policies regional@rest=outer``: 
     python benchmarks/real_models.py --smoke --out /tmp/x   # CPU: tiny configs, aot_eager, all in one process
 """
 
-from __future__ import annotations
-
 import argparse
 import collections
 import sys
@@ -23,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._dynamo.utils import get_compilation_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -111,8 +110,6 @@ def prepare(variant: str, model: nn.Module, args: argparse.Namespace) -> Tuple[C
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """Train ``args.model`` under ``args.variant``: the first step (timed alone), the warm-up, the timed steps, and
     what the compiler did meanwhile."""
-    from torch._dynamo.utils import get_compilation_metrics
-
     device, spec = common.device_for(args.smoke), MODELS[args.model]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

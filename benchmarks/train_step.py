@@ -6,8 +6,6 @@ AdamW, batch 8 x 1024 (GPU):
     python benchmarks/train_step.py --smoke --out /tmp/train_step.json   # CPU, tiny model, aot_eager
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import statistics
@@ -17,12 +15,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
 import torch
+from torch import nn
+from torch._dynamo.utils import calculate_time_spent
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import GPT2_SMALL, count_flops  # noqa: E402
+from benchmarks import common, models  # noqa: E402
+from compile_trainer import CompileCallback, apply_policy, to_policy  # noqa: E402
+from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
@@ -51,12 +54,11 @@ def setup(args: argparse.Namespace, config: GPTConfig, device: torch.device):
     torch.manual_seed(0)
     module = LanguageModel(model=asdict(config), lr=6e-4, warmup_steps=10, fused=device.type == "cuda").to(device)
     first = batches[0].to(device)
-    return module, batches, count_flops(module.model, lambda: module.model(first[:, :-1], first[:, 1:])[1], device)
+    flops = models.count_flops(module.model, lambda: module.model(first[:, :-1], first[:, 1:])[1], device)
+    return module, batches, flops
 
 
 def policy_for(variant: str, backend: str):
-    from compile_trainer.schema import to_policy
-
     return to_policy(VARIANTS[variant][2], backend=backend)
 
 
@@ -74,11 +76,6 @@ def prepare_raw(variant: str, model: GPT, backend: str):
             block.compile(backend=backend)
     if VARIANTS[variant][2] is None:
         return model, None, None
-    from torch import nn
-
-    from compile_trainer.compiling.background import BackgroundCompile
-    from compile_trainer.compiling.regions import apply_policy
-
     policy = policy_for(variant, backend)
     applied = apply_policy(nn.ModuleDict({"model": model}), policy)  # addressed as in a LightningModule
     return model, applied, BackgroundCompile(applied) if policy.background else None
@@ -105,11 +102,6 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
 
 
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from compile_trainer.lightning.callback import CompileCallback
-
     class StepClock(pl.Callback):
         """``args.steps`` timed steps after ``args.warmup`` (counted from the first step that runs compiled), then
         stops the Trainer."""
@@ -164,8 +156,6 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
 
 def finish(times, args, config, device, flops, losses, background) -> Dict[str, Any]:
     """The row: times, throughput, compile counts and the first losses (against eager's in ``summarize``)."""
-    from torch._dynamo.utils import calculate_time_spent
-
     row = common.timed_row(times, device, flops) | {
         "tokens_per_s": args.batch_size * config.block_size * args.steps / times["window_s"],
         "recompile_reasons": common.recompile_reasons(),
@@ -182,7 +172,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     runner = run_raw if VARIANTS[args.variant][0] == "raw" else run_lightning
-    return runner(args.variant, args, SMOKE if args.smoke else GPT2_SMALL, device)
+    return runner(args.variant, args, SMOKE if args.smoke else models.GPT2_SMALL, device)
 
 
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -208,7 +198,7 @@ def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict
 
 
 def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
-    block = (SMOKE if args.smoke else GPT2_SMALL).block_size
+    block = (SMOKE if args.smoke else models.GPT2_SMALL).block_size
     repeats = f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else ""
     return [
         f"batch {args.batch_size} x {block} tokens, {args.steps} timed steps after {args.warmup}; backend "
