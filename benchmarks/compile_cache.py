@@ -154,10 +154,7 @@ def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[st
         if base and "first_step_s" in row:
             row["vs_cold"] = row["first_step_s"] / base["first_step_s"]
             row["loss_rel_diff_vs_cold"] = common.rel_diff(row["losses"], base["losses"])
-
-    def full_without_cache(row: Dict[str, Any]) -> bool:
-        return (row["policy"], row["phase"]) == ("full", "cold_no_cache")
-
+    full_without_cache = lambda row: (row["policy"], row["phase"]) == ("full", "cold_no_cache")  # noqa: E731
     common.add_ratio(rows, "vs_full_cold", "first_step_s", full_without_cache, group=lambda row: row["model"])
     return rows
 

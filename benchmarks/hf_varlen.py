@@ -45,14 +45,11 @@ COLUMNS = [
 
 
 def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]]:
-    rng = random.Random(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    batches = []
-    for _ in range(args.steps):
-        length = rng.randint(args.min_length, args.max_length)
-        ids = torch.randint(1, vocab, (args.batch_size, length), generator=generator)
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-    return batches
+    """``--steps`` batches of random tokens, each of one length drawn uniformly (both seeded by ``--seed``)."""
+    rng, generator = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    lengths = [rng.randint(args.min_length, args.max_length) for _ in range(args.steps)]
+    ids = [torch.randint(1, vocab, (args.batch_size, length), generator=generator) for length in lengths]
+    return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids]
 
 
 def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> List[Dict[str, torch.Tensor]]:

@@ -159,9 +159,9 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Each model under each variant; then each cache policy cold and on a new machine (one bundle directory),
     and ``full`` with no cache, the base of ``vs_full_cold``."""
     policies = [p for p in args.cache_policies.split(",") if p]
-    models = [m for m in args.models.split(",") if m]
+    model_names = [m for m in args.models.split(",") if m]
     cache_runs = [(policy, phase) for policy in policies for phase in CACHE_PHASES] + [("full", "cold_no_cache")]
-    return [{"model": m, "variant": v} for m in models for v in args.variants.split(",")] + [
+    return [{"model": m, "variant": v} for m in model_names for v in args.variants.split(",")] + [
         {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}", "_cache_run": f"{policy}:{phase}"}
         | {"_bundle": str(args.scratch / (policy if phase != "cold_no_cache" else "none"))}
         for policy, phase in (cache_runs if policies else [])
@@ -169,10 +169,9 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 
 def vs_full_cold(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
-    base = next((row.get("first_step_s") for row in rows if row["variant"] == "full cold_no_cache"), None)
-    for row in rows:
-        if row["model"] == CACHE_MODEL[args.smoke]:
-            row["vs_full_cold"] = row["first_step_s"] / base if base and row.get("first_step_s") else None
+    """The cache rows' first step over full's with no cache (the other models have no such row)."""
+    is_base = lambda row: row["variant"] == "full cold_no_cache"  # noqa: E731
+    common.add_ratio(rows, "vs_full_cold", "first_step_s", is_base, group=lambda row: row["model"])
     return rows
 
 

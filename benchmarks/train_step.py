@@ -58,10 +58,6 @@ def setup(args: argparse.Namespace, config: GPTConfig, device: torch.device):
     return module, batches, flops
 
 
-def policy_for(variant: str, backend: str):
-    return to_policy(VARIANTS[variant][2], backend=backend)
-
-
 def prepare_raw(variant: str, model: GPT, backend: str):
     """Compile ``model`` as the variant says; return the callable the loop runs, the applied policy (None for the
     peers) and the background compile to poll at each step (None unless the policy has one)."""
@@ -76,7 +72,7 @@ def prepare_raw(variant: str, model: GPT, backend: str):
             block.compile(backend=backend)
     if VARIANTS[variant][2] is None:
         return model, None, None
-    policy = policy_for(variant, backend)
+    policy = to_policy(VARIANTS[variant][2], backend=backend)
     applied = apply_policy(nn.ModuleDict({"model": model}), policy)  # addressed as in a LightningModule
     return model, applied, BackgroundCompile(applied) if policy.background else None
 
@@ -139,7 +135,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     most_steps = args.warmup + args.steps + args.max_eager_steps
     repeated = [pair for _ in range(math.ceil(most_steps / len(windows))) for pair in windows]
     loader = DataLoader(repeated, batch_size=None, shuffle=False, pin_memory=device.type == "cuda")
-    compile_callback = CompileCallback(policy_for(variant, args.backend), print_plan=False)
+    compile_callback = CompileCallback(to_policy(VARIANTS[variant][2], backend=args.backend), print_plan=False)
     clock = StepClock()
     precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     trainer = common.quiet_trainer(
