@@ -342,14 +342,15 @@ def print_table(columns: List[str], rows: Rows, baseline: Optional[str] = None) 
 
 def add_ratio(
     rows: Rows, name: str, column: str, is_baseline: Callable, group: Callable = lambda row: None, inverse: bool = False
-) -> None:
+) -> Rows:
     """Set ``row[name]`` to ``row[column]`` over the baseline row's of the same ``group`` (the baseline's over the
-    row's with ``inverse``: a speed-up from times) on every row where both are measured."""
+    row's with ``inverse``: a speed-up from times) on every row where both are measured; returns ``rows``."""
     baselines = {group(row): row[column] for row in rows if is_baseline(row) and row.get(column)}
     for row in rows:
         base = baselines.get(group(row))
         if base and row.get(column) and not row.get("error"):
             row[name] = base / row[column] if inverse else row[column] / base
+    return rows
 
 
 def repeated(results: Rows, metrics: Sequence[str]) -> Dict[str, Any]:

@@ -155,8 +155,7 @@ def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[st
             row["vs_cold"] = row["first_step_s"] / base["first_step_s"]
             row["loss_rel_diff_vs_cold"] = common.rel_diff(row["losses"], base["losses"])
     full_without_cache = lambda row: (row["policy"], row["phase"]) == ("full", "cold_no_cache")  # noqa: E731
-    common.add_ratio(rows, "vs_full_cold", "first_step_s", full_without_cache, group=lambda row: row["model"])
-    return rows
+    return common.add_ratio(rows, "vs_full_cold", "first_step_s", full_without_cache, group=lambda row: row["model"])
 
 
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:

@@ -183,20 +183,20 @@ def steady_pass(batches, shaper, train_step, device) -> float:
     if device.type == "cuda":
         batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    common.synchronize(device)
-    started = time.perf_counter()
-    for batch in batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        train_step(shaper(batch) if shaper is not None else batch)
-    common.synchronize(device)
-    return tokens / (time.perf_counter() - started)
+
+    def run() -> None:
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            train_step(shaper(batch) if shaper is not None else batch)
+
+    return tokens / common.timed(device, run)
 
 
 def add_ratios(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Against plain's total and fixed_length's steady tokens/s."""
     common.add_ratio(rows, "vs_plain_total", "total_s", lambda row: row["variant"] == "plain")
-    common.add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", lambda row: row["variant"] == "fixed_length")
-    return rows
+    is_fixed_length = lambda row: row["variant"] == "fixed_length"  # noqa: E731
+    return common.add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", is_fixed_length)
 
 
 def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:

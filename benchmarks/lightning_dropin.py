@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -30,11 +31,7 @@ from torch import nn  # noqa: E402
 from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback  # noqa: E402
 
-MODELS = ("llama", "vit")
-VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
-CACHE_POLICIES = ("regional", "full")
 CACHE_MODEL = {False: "gpt2_small (train.py)", True: "gpt_tiny (train.py, smoke)"}
-CACHE_PHASES = ("cold", "new_machine")
 COLUMNS = [
     "model", "variant", "first_step_s", "step_ms", "units", "per_s", "mfu", "summary_per_s", "summary_vs_own",
     "summary_mfu", "summary_mfu_vs_own", "summary_first_step_s", "precompiled_served", "traced", "graphs",
@@ -160,19 +157,12 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     and ``full`` with no cache, the base of ``vs_full_cold``."""
     policies = [p for p in args.cache_policies.split(",") if p]
     model_names = [m for m in args.models.split(",") if m]
-    cache_runs = [(policy, phase) for policy in policies for phase in CACHE_PHASES] + [("full", "cold_no_cache")]
+    cache_runs = [(p, phase) for p in policies for phase in ("cold", "new_machine")] + [("full", "cold_no_cache")]
     return [{"model": m, "variant": v} for m in model_names for v in args.variants.split(",")] + [
         {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}", "_cache_run": f"{policy}:{phase}"}
         | {"_bundle": str(args.scratch / (policy if phase != "cold_no_cache" else "none"))}
         for policy, phase in (cache_runs if policies else [])
     ]
-
-
-def vs_full_cold(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """The cache rows' first step over full's with no cache (the other models have no such row)."""
-    is_base = lambda row: row["variant"] == "full cold_no_cache"  # noqa: E731
-    common.add_ratio(rows, "vs_full_cold", "first_step_s", is_base, group=lambda row: row["model"])
-    return rows
 
 
 BENCHMARK = common.Benchmark(
@@ -183,12 +173,14 @@ BENCHMARK = common.Benchmark(
     measure=lambda args: train_py(args) if getattr(args, "cache_run", None) else measure(args),
     shared=dict(steps=50, timeout=240),
     options={
-        "--models": dict(default=",".join(MODELS)),
-        "--variants": dict(default=",".join(VARIANTS)),
-        "--cache-policies": dict(default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)"),
+        "--models": dict(default="llama,vit"),
+        "--variants": dict(default="eager,by_hand,regional,regional_background,full"),
+        "--cache-policies": dict(default="regional,full", help="train.py cache runs ('' for none)"),
     },
     smoke=dict(steps=4),
-    finish=vs_full_cold,
+    finish=lambda rows, args: common.add_ratio(  # the cache rows' first step over full's with no cache
+        rows, "vs_full_cold", "first_step_s", lambda row: row["variant"] == "full cold_no_cache", itemgetter("model")
+    ),
     notes=lambda args, rows: [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
         "process with empty compile caches.",

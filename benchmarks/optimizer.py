@@ -8,7 +8,6 @@ How the rows are timed: docs/optimizer.md ("The benchmark").
 """
 
 import functools
-import math
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, models  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
-from recipes.gpt import GPT, GPTConfig  # noqa: E402
+from recipes.gpt import GPT, GPTConfig, warmup_cosine_factor  # noqa: E402
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
@@ -48,14 +47,6 @@ COLUMNS = """variant step_ms ratio vs_fused gb_per_s host_ms first_steps_s compi
 max_rel_diff_at_100 max_abs_diff error""".split()
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10% (the recipe's schedule)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def make_optimizer(variant: str, params: List[torch.Tensor], backend: str, steps: int):
     """The variant's AdamW (compiled as its policy says, clipping inside), its LR schedule, and its step."""
     groups = [
@@ -64,7 +55,8 @@ def make_optimizer(variant: str, params: List[torch.Tensor], backend: str, steps
     ]
     road, clip = variant.removesuffix(CLIPPED), variant.endswith(CLIPPED)
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, **PEERS.get(road, {}))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, max(1, steps // 10), steps))
+    schedule = functools.partial(warmup_cosine_factor, warmup=max(1, steps // 10), decay=steps)  # the recipe's, to 10%
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if road in POLICIES:  # after the scheduler, as in Lightning
         policy = OptimizerPolicy(**POLICIES[road], clip_grad_norm=MAX_NORM if clip else None)
         compile_optimizer(optimizer, policy, backend=backend)

@@ -173,13 +173,11 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """One run per named variant; a variant named again is another run: ``variant#2``."""
-    names = [
-        f"{v}#{args.variants[:i].count(v) + 1}" if v in args.variants[:i] else v for i, v in enumerate(args.variants)
-    ]
-    return [
-        {"variant": name, "loop": VARIANTS[v][0], "compiled": VARIANTS[v][1], "_variant": v}
-        for name, v in zip(names, args.variants)
-    ]
+    planned = []
+    for i, v in enumerate(args.variants):
+        name = f"{v}#{args.variants[:i].count(v) + 1}" if v in args.variants[:i] else v
+        planned.append({"variant": name, "loop": VARIANTS[v][0], "compiled": VARIANTS[v][1], "_variant": v})
+    return planned
 
 
 def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
