@@ -1,11 +1,9 @@
 """The benchmarks' harness. A script declares a ``Benchmark`` (its runs, the flags it adds, how to measure one run,
 its ratios and notes) and calls ``main``: each run in a fresh process with empty Inductor/Triton caches (``run_fresh``;
 ``worker`` in that process) or in this process with the compiler state reset, the result file (``write_result``)
-written after each run, the table (``print_table``) at the end. Also step timing (``StepTimer``, ``time_steps``,
+written after each run, the table (``print_table``) at the end. Also step timing (``StepTimer``,
 ``first_warm_timed``). Importable without hydra, omegaconf or wandb (the GPU image has none).
 """
-
-from __future__ import annotations
 
 import argparse
 import datetime
@@ -50,8 +48,8 @@ SHARED_FLAGS = {
 @dataclass
 class Benchmark:
     """What a benchmark script declares. ``runs(args)``: one dict per run, its fields the row's first columns and,
-    in the worker, attributes of ``args`` (a ``_name`` field goes to the worker only; ``_timeout`` and ``_caches``
-    also set the run's timeout and its Inductor/Triton cache folder); ``measure(args)``: the run's row (None: write
+    in the worker, attributes of ``args`` (a ``_name`` field goes to the worker only; ``_caches`` also sets the run's
+    Inductor/Triton cache folder); ``measure(args)``: the run's row (None: write
     nothing, a distributed job's other ranks); ``finish(rows, args)``: ratios across rows; ``skip(run, args)``: why
     a run cannot run (an error row). ``key``: the fields that name a row (``--append`` keeps the others' rows)."""
 
@@ -70,15 +68,22 @@ class Benchmark:
     key: Tuple[str, ...] = ("variant",)
     timed: Tuple[str, ...] = ()  # what --repeats reports as medians
     baseline: Optional[str] = None  # what the ratio columns divide by, said under the table
-    smoke_help: str = "tiny models on the CPU"
 
 
 def parse(benchmark: Benchmark, doc: Optional[str], argv: Optional[List[str]] = None) -> Any:
-    """The benchmark's command line (kept as ``args.argv``): the harness's flags, the shared ones it names, its own."""
+    """The benchmark's command line (kept as ``args.argv``): ``--out`` (default ``benchmarks/results/<name>.json``,
+    the headline), ``--smoke``, ``--append``, the hidden ``--worker`` and ``--worker-out`` of a fresh process's run,
+    the ``SHARED_FLAGS`` the benchmark names (``shared=dict(steps=200)``: ``--steps``, default 200), its own flags."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = arguments(doc, benchmark.name, benchmark.smoke_help, **benchmark.shared)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=RESULTS / f"{benchmark.name}.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU (the description says more)")
     parser.add_argument("--append", action="store_true", help="keep --out's rows of runs not run now")
     parser.add_argument("--worker", type=json.loads, help=argparse.SUPPRESS)  # the run a worker measures
+    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)  # where it writes the row
+    for key, default in benchmark.shared.items():
+        kind, help_text = SHARED_FLAGS[key]
+        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
     for flag, options in benchmark.options.items():
         parser.add_argument(flag, **options)
     parser.set_defaults(argv=argv, **(benchmark.smoke if "--smoke" in argv else {}))
@@ -134,24 +139,9 @@ def measure_run(benchmark: Benchmark, run: Dict[str, Any], args: Any, in_process
         except Exception as error:  # one run's failure is its row, not the end of the benchmark
             return {"error": f"{type(error).__name__}: {error}".strip()[:400]}
     command = [*args.argv, "--worker", json.dumps(run, default=str)]
-    log, timeout = args.out.with_name(f"{args.out.stem}.errors.log"), run.get("_timeout") or timeout
-    repeats = range(getattr(args, "repeats", None) or 1)
-    results = [fresh_row(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log) for _ in repeats]
+    log, repeats = args.out.with_name(f"{args.out.stem}.errors.log"), range(getattr(args, "repeats", None) or 1)
+    results = [run_fresh(sys.argv[0], command, timeout, caches=run.get("_caches"), log=log) for _ in repeats]
     return repeated(results, benchmark.timed)
-
-
-def arguments(doc: Optional[str], name: Optional[str] = None, smoke: str = "tiny models on the CPU", **shared) -> Any:
-    """A benchmark's parser with the flags every script has: ``--out`` (default ``benchmarks/results/<name>.json``,
-    the headline), ``--smoke``, the hidden ``--worker-out`` that ``run_fresh`` gives its worker, and the
-    ``SHARED_FLAGS`` named in ``shared`` with their defaults (``steps=200``: ``--steps``, default 200)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=RESULTS / f"{name}.json" if name else None, required=not name)
-    parser.add_argument("--smoke", action="store_true", help=smoke)
-    parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    for key, default in shared.items():
-        kind, help_text = SHARED_FLAGS[key]
-        parser.add_argument(f"--{key.replace('_', '-')}", type=kind, default=default, help=help_text)
-    return parser
 
 
 def device_for(smoke: bool) -> torch.device:
@@ -177,17 +167,14 @@ def frame_compile_seconds(metric: Any) -> float:
     return seconds if seconds is not None else (getattr(metric, "duration_us", None) or 0) / 1e6
 
 
-def split_variant(variant: str) -> Tuple[str, Dict[str, str]]:
-    """``name@key=value@...``: a benchmark variant's name and its overrides (an experiment on a bundled policy)."""
-    name, *pairs = variant.split("@")
-    return name, {key: value for key, _, value in (pair.partition("=") for pair in pairs)}
-
-
-def with_rule_changes(policy: Any, **changes: str) -> Any:
-    """``policy`` with every rule's fields in ``changes`` replaced (``rest="outer"``, ``action="full"``)."""
+def variant_policy(variant: str, **settings: Any) -> Any:
+    """The policy a variant names, ``name@key=value@...``: the bundled ``name`` (with ``settings``), every rule's
+    ``key`` set to ``value`` (``regional@rest=outer``: an experiment on a bundled policy)."""
     from compile_trainer.schema import to_policy
 
-    return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules])
+    name, *pairs = variant.split("@")
+    policy, changes = to_policy(name, **settings), dict(pair.split("=", 1) for pair in pairs)
+    return to_policy(policy, rules=[dict(vars(rule), **changes) for rule in policy.rules]) if changes else policy
 
 
 def git_commit() -> Optional[str]:
@@ -208,9 +195,26 @@ def environment() -> Dict[str, Any]:
     return meta | {name: installed.get(name) for name in ("triton", "lightning", "transformers", "timm", "accelerate")}
 
 
-def peak_flops(device: torch.device) -> Optional[float]:
-    """The GPU's dense bf16 peak FLOP/s from the library's table (H100, H200, A100); None elsewhere."""
-    return table_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
+def flop_rates(flops: Optional[float], step_s: float, device: torch.device) -> Dict[str, Optional[float]]:
+    """TFLOP/s of a step of ``flops`` in ``step_s``, and its MFU against the GPU's dense bf16 peak from the
+    library's table (H100, H200, A100; None elsewhere)."""
+    peak = table_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) if device.type == "cuda" else None
+    rate = flops / step_s if flops else None
+    return {"tflops": rate / 1e12 if rate else None, "mfu": rate / peak if rate and peak else None}
+
+
+def timed_row(times: Dict[str, float], device: torch.device, flops: Optional[float]) -> Dict[str, Any]:
+    """A timed run's figures from ``first_warm_timed``'s ``times``: its first step, median and slowest step, their
+    TFLOP/s and MFU, the peak memory and the graphs Dynamo compiled."""
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {
+        "first_step_s": times["first_step_s"],
+        "step_ms": times["step_s"] * 1e3,
+        "slowest_step_ms": times["slowest_step_s"] * 1e3,
+        **flop_rates(flops, times["step_s"], device),
+        "peak_mem_gib": memory,
+        "graphs": compat.unique_graphs(),
+    }
 
 
 def synchronize(device: torch.device) -> None:
@@ -242,10 +246,21 @@ class StepTimer:
         return [end - start for start, end in self.pairs]
 
 
-def time_steps(device: torch.device, step: Callable[[int], None], steps: int, start: int = 0) -> Dict[str, float]:
-    """``step(index)`` for ``steps`` indices from ``start``, each timed, and the window's wall time between two
-    device syncs."""
-    timer = StepTimer(device)
+def first_warm_timed(
+    device: torch.device, step: Callable, warmup: int, steps: int, eager: Callable = lambda: False, max_eager: int = 0
+) -> Dict[str, float]:
+    """``step(index)`` for a run: the first step timed alone (``first_step_s``: its compile), steps while ``eager()``
+    (a background compile not in use yet; ``max_eager`` in all), ``warmup - 1`` more, then ``steps`` each timed
+    (``step_s``: their median; ``slowest_step_s``) and the window's wall time between two device syncs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    first_step, start, timer = timed(device, lambda: step(0)), 1, StepTimer(device)
+    while eager() and start < max_eager:
+        step(start)
+        start += 1
+    for index in range(start, start + warmup - 1):
+        step(index)
+    start += max(warmup - 1, 0)
 
     def window() -> None:
         for index in range(start, start + steps):
@@ -254,24 +269,8 @@ def time_steps(device: torch.device, step: Callable[[int], None], steps: int, st
             timer.stop(started)
 
     window_s, seconds = timed(device, window), timer.seconds()
-    return {"step_s": statistics.median(seconds), "slowest_step_s": max(seconds), "window_s": window_s}
-
-
-def first_warm_timed(
-    device: torch.device, step: Callable, warmup: int, steps: int, eager: Callable = lambda: False, max_eager: int = 0
-) -> Dict[str, float]:
-    """The first step timed alone (``first_step_s``: its compile), steps while ``eager()`` (a background compile
-    not in use yet; ``max_eager`` in all), ``warmup - 1`` more, then ``time_steps``; ``next_step``: the index after."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    first_step, start = timed(device, lambda: step(0)), 1
-    while eager() and start < max_eager:
-        step(start)
-        start += 1
-    for index in range(start, start + warmup - 1):
-        step(index)
-    start += max(warmup - 1, 0)
-    return time_steps(device, step, steps, start) | {"first_step_s": first_step, "next_step": start + steps}
+    median, slowest = statistics.median(seconds), max(seconds)
+    return {"first_step_s": first_step, "step_s": median, "slowest_step_s": slowest, "window_s": window_s}
 
 
 def training_step(
@@ -296,10 +295,6 @@ def training_step(
         return loss.detach()
 
     return step
-
-
-def peak_memory_gib(device: torch.device) -> Optional[float]:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def recompile_reasons(limit: Optional[int] = None) -> List[str]:
@@ -347,14 +342,15 @@ def print_table(columns: List[str], rows: Rows, baseline: Optional[str] = None) 
 
 def add_ratio(
     rows: Rows, name: str, column: str, is_baseline: Callable, group: Callable = lambda row: None, inverse: bool = False
-) -> None:
+) -> Rows:
     """Set ``row[name]`` to ``row[column]`` over the baseline row's of the same ``group`` (the baseline's over the
-    row's with ``inverse``: a speed-up from times) on every row where both are measured."""
+    row's with ``inverse``: a speed-up from times) on every row where both are measured; returns ``rows``."""
     baselines = {group(row): row[column] for row in rows if is_baseline(row) and row.get(column)}
     for row in rows:
         base = baselines.get(group(row))
         if base and row.get(column) and not row.get("error"):
             row[name] = base / row[column] if inverse else row[column] / base
+    return rows
 
 
 def repeated(results: Rows, metrics: Sequence[str]) -> Dict[str, Any]:
@@ -390,8 +386,8 @@ def run_fresh(
     script: str, args: List[str], timeout: float, caches: Optional[Path] = None, log: Optional[Path] = None
 ) -> Dict[str, Any]:
     """``python script args... --worker-out FILE`` in a fresh process with empty Inductor and Triton caches of its
-    own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote, with ``process_s``;
-    on a failure or a timeout, with ``error`` (and whatever the worker wrote before), the output appended to ``log``."""
+    own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote; on a failure or a
+    timeout, only the ``error``, the output appended to ``log``."""
 
     def text(output: Any) -> str:  # a timeout's output comes as bytes, or None
         return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
@@ -405,7 +401,7 @@ def run_fresh(
         env = os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
         env |= {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TRITON_CACHE_DIR": str(folder / "triton")}
         command = [sys.executable, str(script), *args, "--worker-out", str(out)]
-        started, error = time.perf_counter(), None
+        error = None
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
             output = done.stdout + done.stderr
@@ -414,21 +410,13 @@ def run_fresh(
         except subprocess.TimeoutExpired as expired:
             output = text(expired.stdout) + text(expired.stderr)
             error = f"timed out after {timeout:.0f} s | " + tail(text(expired.stderr))
-        result = json.loads(out.read_text()) if out.exists() else {}
-    if error is not None:
-        result["error"] = error
-        if log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with log.open("a") as file:
-                file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
-    return result | {"process_s": time.perf_counter() - started}
-
-
-def fresh_row(script: str, args: List[str], timeout: float, row: Optional[Dict[str, Any]] = None, **options) -> Dict:
-    """``run_fresh`` for one row: the worker's result, or on a failure ``row`` with the ``error``."""
-    result = run_fresh(script, args, timeout, **options)
-    result.pop("process_s")
-    return dict(row or {}, error=result["error"]) if result.get("error") else result
+        if error is None:
+            return json.loads(out.read_text())
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as file:
+            file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
+    return {"error": error}
 
 
 def worker(out: Path, measure: Callable[[], Any], timeout: Optional[float] = None) -> None:

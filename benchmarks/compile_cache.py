@@ -11,8 +11,6 @@ directories, no precompiled artifacts), ``new_machine`` (the whole bundle) and `
     python benchmarks/compile_cache.py --smoke --models gpt2_small --policies regional --out /tmp/x  # CPU, Inductor
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import sys
@@ -27,8 +25,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import GPT2_SMALL, TokenLoss, build_model  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import apply_policy, to_policy  # noqa: E402
 from compile_trainer.cache.session import CompileCache  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
@@ -50,11 +47,10 @@ loss_rel_diff_vs_cold error""".split()
 
 
 def build(name: str, smoke: bool, device: torch.device) -> nn.Module:
-    """The model, random weights, dropout off; ``forward(tokens)`` returns the loss."""
+    """The model (random weights, dropout off) whose ``forward(tokens)`` returns the loss."""
     with device:
-        if name == "llama":
-            return TokenLoss(build_model("llama", smoke)[0], hf=True)
-        return TokenLoss(GPT(SMOKE if smoke else GPT2_SMALL), hf=False)
+        model = models.build_model("llama", smoke)[0] if name == "llama" else GPT(SMOKE if smoke else models.GPT2_SMALL)
+    return models.TokenLoss(model, hf=name == "llama")
 
 
 def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
@@ -98,6 +94,8 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
     summary = cache.summary(compile_s)
     dynamo_s, backend_s = compile_phases()
     load_s = (summary.get("cache_load_s") or 0) + first_load_s
+    precompiled = f"{summary.get('cache_precompiled_hits')}/{summary.get('cache_precompiled_misses')}"
+    precompiled = precompiled if "cache_precompiled_hits" in summary else summary.get("cache_precompiled_off")
     return {
         "first_step_s": first_step,
         "load_s": load_s,
@@ -110,19 +108,13 @@ def run_phase(args: argparse.Namespace) -> Dict[str, Any]:
         "compiler_import_s": compiler_import_s,
         "cache": summary["cache_status"] + (f" ({summary['cache_reason']})" if summary.get("cache_reason") else ""),
         "fx_graph_hit_miss": f"{summary.get('cache_fx_graph_hits', 0)}/{summary.get('cache_fx_graph_misses', 0)}",
-        "precompiled_hit_miss": _hit_miss(summary, "cache_precompiled"),
+        "precompiled_hit_miss": precompiled,
         "precompiled_skipped": summary.get("cache_precompiled_skipped"),  # region -> why it was not captured
         "bundle_mb": (cache.outcome.bundle_bytes or cache.outcome.saved_bytes) / 1e6 or None,
         "save_s": summary.get("cache_save_s") or None,
         "startup_s": startup,
         "losses": losses,
     }
-
-
-def _hit_miss(summary: Dict[str, Any], prefix: str) -> Any:
-    if f"{prefix}_hits" not in summary:
-        return summary.get(f"{prefix}_off")
-    return f"{summary[f'{prefix}_hits']}/{summary[f'{prefix}_misses']}"
 
 
 def import_compiler(device: torch.device) -> float:
@@ -162,20 +154,15 @@ def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[st
         if base and "first_step_s" in row:
             row["vs_cold"] = row["first_step_s"] / base["first_step_s"]
             row["loss_rel_diff_vs_cold"] = common.rel_diff(row["losses"], base["losses"])
-
-    def full_without_cache(row: Dict[str, Any]) -> bool:
-        return (row["policy"], row["phase"]) == ("full", "cold_no_cache")
-
-    common.add_ratio(rows, "vs_full_cold", "first_step_s", full_without_cache, group=lambda row: row["model"])
-    return rows
+    full_without_cache = lambda row: (row["policy"], row["phase"]) == ("full", "cold_no_cache")  # noqa: E731
+    return common.add_ratio(rows, "vs_full_cold", "first_step_s", full_without_cache, group=lambda row: row["model"])
 
 
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Each model and policy's phases, cold first; a phase's Inductor and Triton caches are its machine's (the
-    cold phase's for same_machine), its bundles in ``--cache-dir``."""
-    cache_dir = args.cache_dir or str(args.scratch / "bundles")
+    cold phase's for same_machine), the bundles in one folder."""
     return [
-        {"model": model, "policy": policy, "phase": phase, "_cache_dir": cache_dir}
+        {"model": model, "policy": policy, "phase": phase, "_cache_dir": str(args.scratch / "bundles")}
         | {"_caches": args.scratch / f"{model}_{policy}_{'cold' if phase == 'same_machine' else phase}"}
         for model, policy in itertools.product(args.models, args.policies)
         for phase in ["cold", *(p for p in args.phases if p != "cold")]
@@ -193,7 +180,6 @@ BENCHMARK = common.Benchmark(
         "--models": dict(nargs="+", choices=MODELS, default=list(MODELS)),
         "--policies": dict(nargs="+", choices=POLICIES, default=list(POLICIES)),
         "--phases": dict(nargs="+", choices=PHASES, default=list(PHASES), help="cold always runs first"),
-        "--cache-dir": dict(help="where bundles go (a directory or an fsspec URL); default: a temp dir"),
     },
     finish=finish,
     notes=lambda args, rows: [
@@ -210,4 +196,4 @@ BENCHMARK = common.Benchmark(
 )
 
 if __name__ == "__main__":
-    common.main(BENCHMARK, __doc__.split("\n")[0])
+    common.main(BENCHMARK, __doc__)

@@ -12,20 +12,19 @@ CPU smoke run (2 gloo processes, tiny models, aot_eager; no collectives: gloo re
     python benchmarks/distributed.py --smoke --out /tmp/distributed.json
 """
 
-from __future__ import annotations
-
 import argparse
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks import common  # noqa: E402
-from benchmarks.models import GPT2_SMALL, build_model  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback, apply_policy  # noqa: E402
 from compile_trainer.compiling.regions import APPLIED_ATTR  # noqa: E402
 from recipes.gpt import GPT, GPTConfig  # noqa: E402
@@ -33,6 +32,7 @@ from recipes.gpt import GPT, GPTConfig  # noqa: E402
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
 LENGTHS = (512, 768, 1024)  # the collectives experiment's lengths (a quarter of them with --smoke)
+CACHE_FIELDS = "status precompiled_hits precompiled_misses precompiled_captures precompiled_load_s precompiled_skipped"
 
 
 class Benchmarked(pl.LightningModule):
@@ -43,10 +43,10 @@ class Benchmarked(pl.LightningModule):
         super().__init__()
         self.args, self.policy = args, callback.policy
         if args.model == "gpt2":
-            config = GPTConfig(**SMOKE_GPT2) if args.smoke else GPT2_SMALL
+            config = GPTConfig(**SMOKE_GPT2) if args.smoke else models.GPT2_SMALL
             self.model, self.vocab = GPT(config), config.vocab_size
         else:
-            self.model, _, self.vocab = build_model("llama", args.smoke)
+            self.model, _, self.vocab = models.build_model("llama", args.smoke)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
@@ -60,8 +60,6 @@ class Benchmarked(pl.LightningModule):
     def configure_model(self) -> None:
         if self.args.strategy != "fsdp2":
             return
-        from torch.distributed.fsdp import fully_shard
-
         if self.policy.compiles_modules and getattr(self, APPLIED_ATTR, None) is None:
             apply_policy(self, self.policy)
         mesh = self.device_mesh["data_parallel"]
@@ -89,14 +87,10 @@ def batches(args: argparse.Namespace, vocab: int, rank: int) -> List[Any]:
 
 def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     """One training job (every rank runs this); rank 0's row."""
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-
     on_gpu = torch.cuda.is_available() and not args.smoke
     overrides: Dict[str, Any] = {"backend": "aot_eager"} if args.smoke else {}
-    if args.collectives:
-        overrides["distributed"] = {"consistent_dynamic_shapes": True}
-    if args.cache_dir:
-        overrides["cache"] = {"dir": args.cache_dir}
+    overrides |= {"distributed": {"consistent_dynamic_shapes": True}} if args.collectives else {}
+    overrides |= {"cache": {"dir": args.cache_dir}} if args.cache_dir else {}
     callback = CompileCallback(args.policy, print_plan=False, telemetry={"measure_flops": False}, **overrides)
     torch.manual_seed(0)
     module = Benchmarked(args, callback)
@@ -127,9 +121,6 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
 
     medians = by_rank("steady_step_time_median_s") or [None]
     per_rank = summary.get("steady_samples_per_s")
-    cache_keys = (
-        "status precompiled_hits precompiled_misses precompiled_captures precompiled_load_s precompiled_skipped"
-    )
     return {
         # every rank steps together: the slowest rank's median step sets the pace
         "samples_per_s": args.batch * args.gpus / max(medians) if None not in medians else None,
@@ -141,7 +132,7 @@ def result_row(args: argparse.Namespace, summary: Dict[str, Any]) -> Dict[str, A
         "graphs_by_rank": by_rank("graphs", "unique_graphs"),
         "peak_memory_gb_by_rank": [round(m / 2**30, 2) if m else None for m in by_rank("peak_memory_bytes") or []],
         "compile_s_max": ranks.get("compile_time_s_max", summary.get("compile_time_s")),
-        "cache": {key: summary.get(f"cache_{key}") for key in cache_keys.split()} if args.cache_dir else None,
+        "cache": {key: summary.get(f"cache_{key}") for key in CACHE_FIELDS.split()} if args.cache_dir else None,
         "error": None,
     }
 
@@ -211,7 +202,6 @@ BENCHMARK = common.Benchmark(
         "--batch": dict(type=int, default=8, help="samples per rank a step"),
     },
     smoke=dict(steps=4, batch=2),
-    smoke_help="CPU, 2 gloo processes, tiny models, aot_eager",
     finish=compare_to_one,
     notes=lambda args, rows: [
         "Weak scaling: each rank trains the same batch a step; samples/s counts every rank's samples, from the "

@@ -13,14 +13,13 @@ run eagerly), ``buckets_auto`` (4 buckets from the first 64 batches' lengths), a
 tokens in full rows, ``torch.compile``: the reference).
 """
 
-from __future__ import annotations
-
 import argparse
 import collections
 import math
 import random
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -29,8 +28,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import build_model  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import apply_policy, compat, to_policy  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
@@ -47,14 +45,11 @@ COLUMNS = [
 
 
 def stream(args: argparse.Namespace, vocab: int) -> List[Dict[str, torch.Tensor]]:
-    rng = random.Random(args.seed)
-    generator = torch.Generator().manual_seed(args.seed)
-    batches = []
-    for _ in range(args.steps):
-        length = rng.randint(args.min_length, args.max_length)
-        ids = torch.randint(1, vocab, (args.batch_size, length), generator=generator)
-        batches.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
-    return batches
+    """``--steps`` batches of random tokens, each of one length drawn uniformly (both seeded by ``--seed``)."""
+    rng, generator = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
+    lengths = [rng.randint(args.min_length, args.max_length) for _ in range(args.steps)]
+    ids = [torch.randint(1, vocab, (args.batch_size, length), generator=generator) for length in lengths]
+    return [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids]
 
 
 def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> List[Dict[str, torch.Tensor]]:
@@ -68,25 +63,24 @@ def packed(batches: List[Dict[str, torch.Tensor]], args: argparse.Namespace) -> 
 
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """The stream under ``args.variant`` (timed step by step, compiles included), then its steady pass."""
-    with common.fresh_compiler_state():
-        device = torch.device("cpu" if args.smoke else "cuda")
-        torch.manual_seed(0)
-        model, _, vocab = build_model("llama", args.smoke)
-        model = model.to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
-        batches = stream(args, vocab)
-        if args.variant in ("plain", "fixed_length"):
-            batches = packed(batches, args) if args.variant == "fixed_length" else batches
-            forward, policy, applied, shaper = torch.compile(model, backend=args.backend), None, None, None
-        else:
-            shapes = {"shapes": {"pad": {"max": args.max_length}}} if args.variant == "buckets_auto" else {}
-            policy, forward = to_policy(args.variant, backend=args.backend, **shapes), model
-            # the bundled rules (name: "*") match the model as in a LightningModule
-            applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
-            shaper = BatchShaper(policy.shapes)
-            RegionShapeInterceptors(applied, shaper)
-        train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
-        return run_stream(args, batches, policy, applied, shaper, train_step, device)
+    device = common.device_for(args.smoke)
+    torch.manual_seed(0)
+    model, _, vocab = models.build_model("llama", args.smoke)
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    batches = stream(args, vocab)
+    if args.variant in ("plain", "fixed_length"):
+        batches = packed(batches, args) if args.variant == "fixed_length" else batches
+        forward, policy, applied, shaper = torch.compile(model, backend=args.backend), None, None, None
+    else:
+        shapes = {"shapes": {"pad": {"max": args.max_length}}} if args.variant == "buckets_auto" else {}
+        policy, forward = to_policy(args.variant, backend=args.backend, **shapes), model
+        # the bundled rules (name: "*") match the model as in a LightningModule
+        applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
+        shaper = BatchShaper(policy.shapes)
+        RegionShapeInterceptors(applied, shaper)
+    train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
+    return run_stream(args, batches, policy, applied, shaper, train_step, device)
 
 
 def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Dict[str, Any]:
@@ -112,25 +106,20 @@ def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Di
         batch = {k: v.to(device) for k, v in batch.items()}
         real += int(batch["attention_mask"].sum())
         if warmup is not None and warmup.pending:
-            warm_started, telemetry.phase = time.perf_counter(), WARMUP_PHASE  # its compiles are not recompiles
-            warmup.replay()
-            common.synchronize(device)
-            warmup_s += time.perf_counter() - warm_started
+            telemetry.phase = WARMUP_PHASE  # its compiles are not recompiles
+            warmup_s += common.timed(device, warmup.replay)
             telemetry.phase = "train"
         if shaper is not None:
             batch = shaper(batch)
             if warmup is not None:
                 sample = shaper.length_of(batch)
                 warmup.length, warmup.batch_size = sample.length, sample.rows
+        length = int(batch["input_ids"].shape[1])
         positions += batch["input_ids"].numel()
         eager = background is not None and not background.installed and not background.poll()
-        if eager:
-            eager_lengths[int(batch["input_ids"].shape[1])] += 1
-        before, step_started = telemetry.compile_count, time.perf_counter()
-        train_step(batch)
-        common.synchronize(device)
-        seconds = time.perf_counter() - step_started
-        length = int(batch["input_ids"].shape[1])
+        eager_lengths[length] += eager
+        before = telemetry.compile_count
+        seconds = common.timed(device, partial(train_step, batch))
         step_ms.append([length, occurrences[length] == 0, round(seconds * 1e3, 2)])
         # CUDA graph trees run a new shape once to warm up and record it at its second run
         recording = cuda_graphs and occurrences[length] < 2
@@ -147,8 +136,6 @@ def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Di
     steady_tokens_per_s = steady_pass(again, shaper, train_step, device)
     telemetry.collect()
     telemetry.uninstall()
-    metrics = list(compat.compilation_metrics())
-    recompiles = [m for m in metrics if common.is_recompile(m)]
     return {
         "variant": args.variant,
         "first_step_s": step_ms[0][2] / 1e3,
@@ -163,10 +150,10 @@ def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Di
         "graphs": compat.unique_graphs(),
         # a frame's compiles after its first, bucket warm-up's aside
         "recompiles_after_warmup": telemetry.totals()["recompiles"],
-        "dynamo_metrics_recorded": len(metrics),
+        "dynamo_metrics_recorded": len(compat.compilation_metrics()),
         "padding": positions / real - 1,
         "buckets": shaper.buckets if shaper is not None else None,
-        "recompile_reasons": [str(getattr(m, "recompile_reason", "")) for m in recompiles][:10],
+        "recompile_reasons": common.recompile_reasons(limit=10),
         "steps": len(batches),
         "real_tokens": real,
         "step_ms": step_ms,
@@ -196,20 +183,20 @@ def steady_pass(batches, shaper, train_step, device) -> float:
     if device.type == "cuda":
         batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-    common.synchronize(device)
-    started = time.perf_counter()
-    for batch in batches:
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        train_step(shaper(batch) if shaper is not None else batch)
-    common.synchronize(device)
-    return tokens / (time.perf_counter() - started)
+
+    def run() -> None:
+        for batch in batches:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            train_step(shaper(batch) if shaper is not None else batch)
+
+    return tokens / common.timed(device, run)
 
 
 def add_ratios(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Against plain's total and fixed_length's steady tokens/s."""
     common.add_ratio(rows, "vs_plain_total", "total_s", lambda row: row["variant"] == "plain")
-    common.add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", lambda row: row["variant"] == "fixed_length")
-    return rows
+    is_fixed_length = lambda row: row["variant"] == "fixed_length"  # noqa: E731
+    return common.add_ratio(rows, "vs_fixed_length", "steady_real_tokens_per_s", is_fixed_length)
 
 
 def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
@@ -246,11 +233,10 @@ BENCHMARK = common.Benchmark(
         "--seed": dict(type=int, default=0),
     },
     smoke=dict(steps=8, batch_size=2, min_length=8, max_length=64, backend="aot_eager"),
-    smoke_help="tiny Llama on the CPU, aot_eager, 8 steps",
     finish=add_ratios,
     notes=notes,
     baseline="plain (vs_plain_total), fixed_length (vs_fixed_length)",
 )
 
 if __name__ == "__main__":
-    common.main(BENCHMARK, __doc__.splitlines()[0])
+    common.main(BENCHMARK, __doc__)

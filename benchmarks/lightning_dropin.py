@@ -10,14 +10,13 @@ under eager, ``torch.compile`` by hand, and ``CompileCallback`` with ``regional`
     python benchmarks/lightning_dropin.py --smoke --out /tmp/dropin.json     # CPU, tiny models, aot_eager
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -26,17 +25,13 @@ sys.path.insert(0, str(ROOT))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.utilities import move_data_to_device  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import TIMM_VIT_TINY, build_model, count_flops  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback  # noqa: E402
 
-MODELS = ("llama", "vit")
-VARIANTS = ("eager", "by_hand", "regional", "regional_background", "full")
-CACHE_POLICIES = ("regional", "full")
 CACHE_MODEL = {False: "gpt2_small (train.py)", True: "gpt_tiny (train.py, smoke)"}
-CACHE_PHASES = ("cold", "new_machine")
 COLUMNS = [
     "model", "variant", "first_step_s", "step_ms", "units", "per_s", "mfu", "summary_per_s", "summary_vs_own",
     "summary_mfu", "summary_mfu_vs_own", "summary_first_step_s", "precompiled_served", "traced", "graphs",
@@ -47,10 +42,10 @@ COLUMNS = [
 def build(name: str, smoke: bool) -> nn.Module:
     """The Llama of the regional benchmark (``real_models``), or timm's ViT-B/16 itself (no transformers stand-in)."""
     if name == "llama":
-        return build_model("llama", smoke)[0]
+        return models.build_model("llama", smoke)[0]
     import timm
 
-    tiny = TIMM_VIT_TINY if smoke else {}
+    tiny = models.TIMM_VIT_TINY if smoke else {}
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000, **tiny)
 
 
@@ -101,9 +96,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     net = build(args.model, args.smoke)
     data = batches(args.model, args.smoke, args.steps)
     module = Plain(args.model, net.to(device))
-    first = data[0]
-    first = {k: v.to(device) for k, v in first.items()} if isinstance(first, dict) else [t.to(device) for t in first]
-    flops = count_flops(net, lambda: module.training_step(first, 0), device.type, autocast=device.type == "cuda")
+    first = move_data_to_device(data[0], device)
+    flops = models.count_flops(net, lambda: module.training_step(first, 0), device)
     callback = CompileCallback(args.variant, **backend) if args.variant not in ("eager", "by_hand") else None
     if args.variant == "by_hand":
         module.net = torch.compile(net, **backend)
@@ -114,10 +108,10 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     seconds = clock.timer.seconds()
     step = statistics.median(seconds[len(seconds) // 2 :])  # the second half: past compiles and recordings
     tokens = args.model == "llama"
-    per_step, peak = data[0]["input_ids"].numel() if tokens else data[0][0].shape[0], common.peak_flops(device)
+    per_step = data[0]["input_ids"].numel() if tokens else data[0][0].shape[0]
     row = {"model": args.model, "variant": args.variant, "first_step_s": seconds[0], "step_ms": step * 1e3}
     row |= {"units": "tokens" if tokens else "images", "per_s": per_step / step, "error": None}
-    row["mfu"] = flops / step / peak if peak else None
+    row |= common.flop_rates(flops, step, device)
     if callback is not None:
         summary = callback.summary()
         own, mfu = summary.get("steady_items_per_s" if tokens else "steady_samples_per_s"), summary.get("mfu")
@@ -162,21 +156,13 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Each model under each variant; then each cache policy cold and on a new machine (one bundle directory),
     and ``full`` with no cache, the base of ``vs_full_cold``."""
     policies = [p for p in args.cache_policies.split(",") if p]
-    models = [m for m in args.models.split(",") if m]
-    cache_runs = [(policy, phase) for policy in policies for phase in CACHE_PHASES] + [("full", "cold_no_cache")]
-    return [{"model": m, "variant": v} for m in models for v in args.variants.split(",")] + [
+    model_names = [m for m in args.models.split(",") if m]
+    cache_runs = [(p, phase) for p in policies for phase in ("cold", "new_machine")] + [("full", "cold_no_cache")]
+    return [{"model": m, "variant": v} for m in model_names for v in args.variants.split(",")] + [
         {"model": CACHE_MODEL[args.smoke], "variant": f"{policy} {phase}", "_cache_run": f"{policy}:{phase}"}
         | {"_bundle": str(args.scratch / (policy if phase != "cold_no_cache" else "none"))}
         for policy, phase in (cache_runs if policies else [])
     ]
-
-
-def vs_full_cold(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
-    base = next((row.get("first_step_s") for row in rows if row["variant"] == "full cold_no_cache"), None)
-    for row in rows:
-        if row["model"] == CACHE_MODEL[args.smoke]:
-            row["vs_full_cold"] = row["first_step_s"] / base if base and row.get("first_step_s") else None
-    return rows
 
 
 BENCHMARK = common.Benchmark(
@@ -187,13 +173,14 @@ BENCHMARK = common.Benchmark(
     measure=lambda args: train_py(args) if getattr(args, "cache_run", None) else measure(args),
     shared=dict(steps=50, timeout=240),
     options={
-        "--models": dict(default=",".join(MODELS)),
-        "--variants": dict(default=",".join(VARIANTS)),
-        "--cache-policies": dict(default=",".join(CACHE_POLICIES), help="train.py cache runs ('' for none)"),
+        "--models": dict(default="llama,vit"),
+        "--variants": dict(default="eager,by_hand,regional,regional_background,full"),
+        "--cache-policies": dict(default="regional,full", help="train.py cache runs ('' for none)"),
     },
     smoke=dict(steps=4),
-    smoke_help="CPU, tiny models, aot_eager",
-    finish=vs_full_cold,
+    finish=lambda rows, args: common.add_ratio(  # the cache rows' first step over full's with no cache
+        rows, "vs_full_cold", "first_step_s", lambda row: row["variant"] == "full cold_no_cache", itemgetter("model")
+    ),
     notes=lambda args, rows: [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
         "process with empty compile caches.",

@@ -2,8 +2,6 @@
 ResNet-50, ConvNeXt-T (timm's, or transformers' where timm is not installed); random weights, dropout off; and
 their FLOP count for MFU."""
 
-from __future__ import annotations
-
 import importlib.util
 from typing import Callable, Tuple
 
@@ -107,16 +105,16 @@ def vision_model(name: str, smoke: bool, classes: int) -> Tuple[nn.Module, str, 
     return WithLoss(model), f"transformers {prefix}ForImageClassification", classes
 
 
-def count_flops(model: nn.Module, loss: Callable[[], torch.Tensor], device_type: str, autocast: bool) -> int:
-    """FLOPs of one eager forward and backward of ``loss()`` (matmuls, convolutions, attention), counted once;
-    attention of grouped-query shapes with the library's formulas (``compat``: torch < 2.13's assert equal heads)."""
+def count_flops(model: nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> int:
+    """FLOPs of one eager forward and backward of ``loss()`` (matmuls, convolutions, attention; bf16 autocast on a
+    GPU), counted once; grouped-query attention with the library's formulas (torch < 2.13's assert equal heads)."""
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     formulas = compat.grouped_query_attention_formulas(flop_registry)
     for formula in formulas.values():
         formula._get_raw = True  # type: ignore[attr-defined]  # called with the op's arguments, not their shapes
     counter = FlopCounterMode(display=False, custom_mapping=formulas)
-    with counter, torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+    with counter, torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         loss().backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

@@ -7,10 +7,7 @@ How the rows are timed: docs/optimizer.md ("The benchmark").
     TRITON_INTERPRET=1 python benchmarks/optimizer.py --smoke --out /tmp/optimizer.json   # CPU, as CI runs it
 """
 
-from __future__ import annotations
-
 import functools
-import math
 import statistics
 import sys
 import time
@@ -23,12 +20,10 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import StepTimer, frame_compile_seconds, is_recompile  # noqa: E402
-from benchmarks.models import GPT2_SMALL  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
-from recipes.gpt import GPT, GPTConfig  # noqa: E402
+from recipes.gpt import GPT, GPTConfig, warmup_cosine_factor  # noqa: E402
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0
@@ -52,14 +47,6 @@ COLUMNS = """variant step_ms ratio vs_fused gb_per_s host_ms first_steps_s compi
 max_rel_diff_at_100 max_abs_diff error""".split()
 
 
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warm-up, then cosine decay to 10% (the recipe's schedule)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def make_optimizer(variant: str, params: List[torch.Tensor], backend: str, steps: int):
     """The variant's AdamW (compiled as its policy says, clipping inside), its LR schedule, and its step."""
     groups = [
@@ -68,7 +55,8 @@ def make_optimizer(variant: str, params: List[torch.Tensor], backend: str, steps
     ]
     road, clip = variant.removesuffix(CLIPPED), variant.endswith(CLIPPED)
     optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, **PEERS.get(road, {}))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, max(1, steps // 10), steps))
+    schedule = functools.partial(warmup_cosine_factor, warmup=max(1, steps // 10), decay=steps)  # the recipe's, to 10%
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     if road in POLICIES:  # after the scheduler, as in Lightning
         policy = OptimizerPolicy(**POLICIES[road], clip_grad_norm=MAX_NORM if clip else None)
         compile_optimizer(optimizer, policy, backend=backend)
@@ -91,7 +79,7 @@ def run_variant(variant: str, initial: List[torch.Tensor], grads: List[torch.Ten
     compiled = compiled if isinstance(compiled, CompiledOptimizerStep) else None
     # steps that compile or run auto's trial, not steady state: the first 2, or the trial and 2 more
     warmup = 2 + (len(compiled._trial.schedule) if compiled is not None and compiled._trial is not None else 0)
-    timer, host_ms, snapshots, kernels_at_warmup = StepTimer(initial[0].device), [], [], 0
+    timer, host_ms, snapshots, kernels_at_warmup = common.StepTimer(initial[0].device), [], [], 0
     for index in range(args.steps):
         if index == warmup and compiled is not None:
             kernels_at_warmup = len(getattr(compiled.update, "specializations", ()))
@@ -111,9 +99,9 @@ def run_variant(variant: str, initial: List[torch.Tensor], grads: List[torch.Ten
         "gb_per_s": PASSES * sum(p.numel() * p.element_size() for p in params) / steady_ms / 1e6,
         "host_ms": statistics.median(host_ms[warmup:]),
         "first_steps_s": sum(step_ms[:warmup]) / 1000,
-        "compile_s": sum(frame_compile_seconds(m) for m in compiles),
+        "compile_s": sum(common.frame_compile_seconds(m) for m in compiles),
         "frames_compiled": len(compiles),
-        "recompiles": sum(1 for m in compiles if is_recompile(m)),
+        "recompiles": sum(1 for m in compiles if common.is_recompile(m)),
         "graph_breaks": sum(counters["graph_break"].values()),
     }
     if compiled is not None:
@@ -134,7 +122,7 @@ def parameters(smoke: bool) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """GPT-2 small's (or the tiny model's) initial parameters and a gradient for each, made once a process."""
     device = common.device_for(smoke)
     torch.manual_seed(0)
-    initial = [p.detach().clone() for p in GPT(TINY if smoke else GPT2_SMALL).to(device).parameters()]
+    initial = [p.detach().clone() for p in GPT(TINY if smoke else models.GPT2_SMALL).to(device).parameters()]
     generator = torch.Generator(device=device).manual_seed(1)
     return initial, [torch.randn(t.shape, device=device, generator=generator) * 1e-3 for t in initial]
 
@@ -192,7 +180,6 @@ BENCHMARK = common.Benchmark(
     shared=dict(steps=1000, backend="inductor"),
     options={"--variants": dict(nargs="+", choices=VARIANTS, default=VARIANTS)},
     smoke=dict(steps=20, backend="aot_eager"),
-    smoke_help="tiny model on the CPU with aot_eager, 20 steps",
     finish=with_ratios,
     notes=notes,
     in_process=True,

@@ -11,38 +11,27 @@ first step is the cold compile a user pays. ``--policies regional@rest=outer``: 
     python benchmarks/real_models.py --smoke --out /tmp/x   # CPU: tiny configs, aot_eager, all in one process
 """
 
-from __future__ import annotations
-
 import argparse
+import collections
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._dynamo.utils import get_compilation_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, models  # noqa: E402
-from benchmarks.models import build_model, has_module  # noqa: E402
-from compile_trainer import apply_policy, to_policy  # noqa: E402
+from compile_trainer import apply_policy  # noqa: E402
 from compile_trainer.schema.load import bundled_policy_names  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model's batch: ``batch`` sequences of ``size`` tokens, or ``batch`` images of ``size`` x ``size``."""
-
-    family: str  # "lm" or "vision"
-    batch: int
-    size: int
-    unit: str
-
-
+# One model's batch: ``batch`` sequences of ``size`` tokens (family "lm"), or ``batch`` images of ``size`` x ``size``
+ModelSpec = collections.namedtuple("ModelSpec", "family batch size unit")
 LM, VISION = ModelSpec("lm", 8, 1024, "tokens"), ModelSpec("vision", 64, 224, "images")
 # the last four as users configure them for training (issue 31): config defaults, stochastic depth, stages, 2 stacks
 MODELS = {"llama": LM, "gpt2": LM, "vit": VISION, "resnet50": VISION, "llama_default": LM}
@@ -81,24 +70,6 @@ TIMM_NOTE += " it compiles the whole model"
 LOSSES_COMPARED = 5  # the first steps' losses compared with eager's
 
 
-def policy_and_rest(variant: str) -> Tuple[str, Optional[str]]:
-    """A policy variant's bundled policy and its ``rest`` override: ``policy_regional@rest=eager`` runs the
-    bundled ``regional`` with every rule's ``rest`` set to ``eager`` (an experiment on what the rest costs)."""
-    name, overrides = common.split_variant(variant[len(POLICY_PREFIX) :])
-    rest = overrides.pop("rest", None)
-    if overrides:
-        raise ValueError(f"variant {variant!r}: only @rest=... is understood here, not @{', @'.join(overrides)}")
-    return name, rest or None
-
-
-def describe(variant: str) -> str:
-    if variant in PEERS:
-        return PEERS[variant]
-    name, rest = policy_and_rest(variant)
-    rules = f", rules=[every rule with rest={rest!r}]" if rest else ""
-    return f"apply_policy(model, to_policy({name!r}{rules}))"
-
-
 def make_batches(name: str, smoke: bool, size: int, device: torch.device) -> Tuple[List[Any], int]:
     """Four batches of random data (the same in every process), and the tokens or images in one batch."""
     spec = MODELS[name]
@@ -131,10 +102,7 @@ def prepare(variant: str, model: nn.Module, args: argparse.Namespace) -> Tuple[C
         from accelerate.utils import compile_regions
 
         return compile_regions(model, backend=backend), None, False, []
-    name, rest = policy_and_rest(variant)
-    policy = to_policy(name, **({"backend": args.backend} if args.backend else {}))
-    if rest:
-        policy = common.with_rule_changes(policy, rest=rest)
+    policy = common.variant_policy(variant[len(POLICY_PREFIX) :], **({"backend": args.backend} if args.backend else {}))
     applied = apply_policy(nn.ModuleDict({"model": model}), policy)  # modules addressed as in a LightningModule
     return model, applied, False, list(applied.notes)
 
@@ -142,21 +110,18 @@ def prepare(variant: str, model: nn.Module, args: argparse.Namespace) -> Tuple[C
 def measure(args: argparse.Namespace) -> Dict[str, Any]:
     """Train ``args.model`` under ``args.variant``: the first step (timed alone), the warm-up, the timed steps, and
     what the compiler did meanwhile."""
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
     device, spec = common.device_for(args.smoke), MODELS[args.model]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     with device:  # initialized where it trains: on the GPU, seconds faster than on the host
-        model, source, size = build_model(args.model, args.smoke)
+        model, source, size = models.build_model(args.model, args.smoke)
     model.to(device).train()
     batches, items = make_batches(args.model, args.smoke, size, device)
     flops, notes = None, []
     try:
-        loss = partial(loss_of, spec.family, model, batches[0])
-        flops = models.count_flops(model, loss, device.type, autocast=device.type == "cuda")
+        flops = models.count_flops(model, partial(loss_of, spec.family, model, batches[0]), device)
     except Exception as error:  # no MFU, but the variant's other numbers
         notes.append(f"FLOPs not counted: {type(error).__name__}: {error}"[:300])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
@@ -178,14 +143,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         telemetry.uninstall()
         if applied is not None:
             applied.remove()  # and the process-wide settings it changed (the recompile limit)
-    step_s, peak = times["step_s"], common.peak_flops(device)
-    return {
+    return common.timed_row(times, device, flops) | {
         "source": source,
-        "first_step_s": times["first_step_s"],
-        "step_ms": step_s * 1e3,
-        "slowest_step_ms": times["slowest_step_s"] * 1e3,
-        "peak_mem_gib": common.peak_memory_gib(device),
-        "graphs": counters["stats"]["unique_graphs"],
         **{key: totals[key] for key in ("recompiles", "grad_mode_variants", "graph_breaks", "cudagraph_skips")},
         "compile_s": totals["compile_time_s"],
         # Each compile (a frame's forward, or its lazily compiled backward) and its seconds, in order.
@@ -198,8 +157,6 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         "items_per_s": items * args.steps / times["window_s"],
         "unit": spec.unit,
         "flops_per_step": flops,
-        "tflops": flops / step_s / 1e12 if flops else None,
-        "mfu": flops / step_s / peak if flops and peak else None,
         "notes": compile_notes + notes or None,
     }
 
@@ -216,15 +173,11 @@ def guess_seconds(model: str, variant: str) -> float:
 def skip(run: Dict[str, Any], args: argparse.Namespace) -> Optional[str]:
     """Why a run cannot run here (checked without starting a worker), or would likely not end within ``--budget-s``."""
     variant = run["variant"]
-    if variant == "compile_regions" and not has_module("accelerate"):
+    if variant == "compile_regions" and not models.has_module("accelerate"):
         return "accelerate not installed"
-    if variant.startswith(POLICY_PREFIX):
-        try:
-            name, _ = policy_and_rest(variant)
-        except ValueError as error:
-            return str(error)
-        if name not in bundled_policy_names():
-            return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
+    name = variant[len(POLICY_PREFIX) :].split("@")[0]
+    if variant.startswith(POLICY_PREFIX) and name not in bundled_policy_names():
+        return f"unknown compile policy {name!r} (bundled: {', '.join(bundled_policy_names())})"
     if not args.smoke and args.budget_s - (time.perf_counter() - args.started) < guess_seconds(run["model"], variant):
         return f"skipped: not enough of the run's --budget-s {args.budget_s:.0f} s left; run it in another command"
     return None
@@ -238,7 +191,8 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     each = ", ".join(f"{m} ~{s:.0f} s" for m, s in per_model.items())
     print(f"estimate for an H100 (a few first steps measured, the rest guessed): {each}; "
           f"~{sum(per_model.values()):.0f} s in all, budget {args.budget_s:.0f} s", flush=True)  # fmt: skip
-    return [{"model": m, "variant": v, "compiled": describe(v)} for m in args.models for v in variants]
+    described = {v: PEERS.get(v, f"apply_policy(model, {v[len(POLICY_PREFIX) :]!r})") for v in variants}
+    return [{"model": m, "variant": v, "compiled": described[v]} for m in args.models for v in variants]
 
 
 def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -268,7 +222,7 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
     notes = [f"{m}: {batch_text(MODELS[m])} a step" for m in args.models]
     notes += [MODEL_NOTES[m] for m in args.models if m in MODEL_NOTES]
     vision = {"vit", "resnet50", "vit_drop_path", "convnext_tiny"} & set(args.models)
-    notes += [TIMM_NOTE] if has_module("timm") and vision and "compile_regions" in args.variants else []
+    notes += [TIMM_NOTE] if models.has_module("timm") and vision and "compile_regions" in args.variants else []
     return notes + [
         f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "
         f"steps, the first timed alone (first_step_s); backend {args.backend or 'inductor'}; "
@@ -296,7 +250,6 @@ BENCHMARK = common.Benchmark(
         "--budget-s": dict(type=float, default=540, help="variants that would start past it: error rows"),
     },
     smoke=dict(steps=3, warmup=2, backend="aot_eager", policies=["regional", "regional_nested"], variants=SMOKE_PEERS),
-    smoke_help="tiny configs on the CPU, aot_eager, few steps, all in one process",
     finish=summarize,
     notes=notes,
     skip=skip,

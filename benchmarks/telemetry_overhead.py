@@ -7,8 +7,6 @@ ABBA order so drift cancels. Also: the hooks' host time, and the telemetry's own
     python benchmarks/telemetry_overhead.py --smoke --out /tmp/telemetry_overhead.json   # CPU, tiny model, seconds
 """
 
-from __future__ import annotations
-
 import statistics
 import sys
 import time
@@ -22,8 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.models import GPT2_SMALL  # noqa: E402
+from benchmarks import common, models  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.lightning.fit_telemetry import FitTelemetry  # noqa: E402
 from compile_trainer.schema import CompilePolicy, Rule, TelemetryConfig, validate_policy  # noqa: E402
@@ -35,7 +32,7 @@ WARMUP = 3  # steps with telemetry before the windows: the first compiles
 
 def measure(args: Any) -> Dict[str, Any]:
     device = common.device_for(args.smoke)
-    shape = TINY if args.smoke else asdict(GPT2_SMALL)
+    shape = TINY if args.smoke else asdict(models.GPT2_SMALL)
     torch.manual_seed(0)
     module = LanguageModel(model=shape, fused=device.type == "cuda").to(device)
     tokens = torch.randint(0, shape["vocab_size"], (args.batch_size, shape["block_size"] + 1), device=device)
@@ -107,7 +104,6 @@ BENCHMARK = common.Benchmark(
         "--peak-tflops": dict(type=float, help="device peak for MFU (H200: 989)"),
     },
     smoke=dict(batch_size=4, windows=2, steps_per_window=3, backend="eager"),
-    smoke_help="tiny model on the CPU with the eager backend",
     notes=lambda args, rows: [
         f"policy regional, backend {args.backend}; {WARMUP} steps with telemetry (the first compiles), then "
         f"{args.windows} windows of {args.steps_per_window} steps per arm, off and on alternating (ABBA); step "

@@ -6,8 +6,6 @@ AdamW, batch 8 x 1024 (GPU):
     python benchmarks/train_step.py --smoke --out /tmp/train_step.json   # CPU, tiny model, aot_eager
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import statistics
@@ -17,13 +15,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import lightning.pytorch as pl
 import torch
+from torch import nn
+from torch._dynamo.utils import calculate_time_spent
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.common import StepTimer, synchronize  # noqa: E402
-from benchmarks.models import GPT2_SMALL, count_flops  # noqa: E402
+from benchmarks import common, models  # noqa: E402
+from compile_trainer import CompileCallback, apply_policy, to_policy  # noqa: E402
+from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
 from recipes.data import read_stdlib_bytes  # noqa: E402
 from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
@@ -52,14 +54,8 @@ def setup(args: argparse.Namespace, config: GPTConfig, device: torch.device):
     torch.manual_seed(0)
     module = LanguageModel(model=asdict(config), lr=6e-4, warmup_steps=10, fused=device.type == "cuda").to(device)
     first = batches[0].to(device)
-    loss = lambda: module.model(first[:, :-1], first[:, 1:])[1]  # noqa: E731
-    return module, batches, count_flops(module.model, loss, device.type, autocast=device.type == "cuda")
-
-
-def policy_for(variant: str, backend: str):
-    from compile_trainer.schema import to_policy
-
-    return to_policy(VARIANTS[variant][2], backend=backend)
+    flops = models.count_flops(module.model, lambda: module.model(first[:, :-1], first[:, 1:])[1], device)
+    return module, batches, flops
 
 
 def prepare_raw(variant: str, model: GPT, backend: str):
@@ -76,12 +72,7 @@ def prepare_raw(variant: str, model: GPT, backend: str):
             block.compile(backend=backend)
     if VARIANTS[variant][2] is None:
         return model, None, None
-    from torch import nn
-
-    from compile_trainer.compiling.background import BackgroundCompile
-    from compile_trainer.compiling.regions import apply_policy
-
-    policy = policy_for(variant, backend)
+    policy = to_policy(VARIANTS[variant][2], backend=backend)
     applied = apply_policy(nn.ModuleDict({"model": model}), policy)  # addressed as in a LightningModule
     return model, applied, BackgroundCompile(applied) if policy.background else None
 
@@ -107,17 +98,12 @@ def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: t
 
 
 def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
-    from compile_trainer.lightning.callback import CompileCallback
-
     class StepClock(pl.Callback):
         """``args.steps`` timed steps after ``args.warmup`` (counted from the first step that runs compiled), then
         stops the Trainer."""
 
         def __init__(self):
-            self.timer, self.started = StepTimer(device), None
+            self.timer, self.started = common.StepTimer(device), None
             self.wall = self.first_step = self.window = 0.0
             self.timed_from: Optional[int] = None  # the first timed batch index
             self.losses: List[torch.Tensor] = []
@@ -127,7 +113,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if self.timed_from is None and (background is None or background.installed):
                 self.timed_from = batch_idx + args.warmup
             if batch_idx in (0, self.timed_from):
-                synchronize(device)
+                common.synchronize(device)
                 self.wall = time.perf_counter()
             timed = self.timed_from is not None and self.timed_from <= batch_idx < self.timed_from + args.steps
             self.started = self.timer.start() if timed else None
@@ -137,10 +123,10 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
             if self.started is not None:
                 self.timer.stop(self.started)
             if batch_idx == 0:
-                synchronize(device)
+                common.synchronize(device)
                 self.first_step = time.perf_counter() - self.wall
             if self.timed_from is not None and batch_idx == self.timed_from + args.steps - 1:
-                synchronize(device)
+                common.synchronize(device)
                 self.window = time.perf_counter() - self.wall
                 trainer.should_stop = True
 
@@ -149,7 +135,7 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
     most_steps = args.warmup + args.steps + args.max_eager_steps
     repeated = [pair for _ in range(math.ceil(most_steps / len(windows))) for pair in windows]
     loader = DataLoader(repeated, batch_size=None, shuffle=False, pin_memory=device.type == "cuda")
-    compile_callback = CompileCallback(policy_for(variant, args.backend), print_plan=False)
+    compile_callback = CompileCallback(to_policy(VARIANTS[variant][2], backend=args.backend), print_plan=False)
     clock = StepClock()
     precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     trainer = common.quiet_trainer(
@@ -166,18 +152,8 @@ def run_lightning(variant: str, args: argparse.Namespace, config: GPTConfig, dev
 
 def finish(times, args, config, device, flops, losses, background) -> Dict[str, Any]:
     """The row: times, throughput, compile counts and the first losses (against eager's in ``summarize``)."""
-    from torch._dynamo.utils import calculate_time_spent, counters
-
-    step_time, tokens, peak = times["step_s"], args.batch_size * config.block_size, common.peak_flops(device)
-    row = {
-        "first_step_s": times["first_step_s"],
-        "step_ms": step_time * 1e3,
-        "slowest_step_ms": times["slowest_step_s"] * 1e3,
-        "tokens_per_s": tokens * args.steps / times["window_s"],
-        "tflops": flops / step_time / 1e12,
-        "mfu": flops / step_time / peak if peak else None,
-        "peak_mem_gib": common.peak_memory_gib(device),
-        "graphs": counters["stats"]["unique_graphs"],
+    row = common.timed_row(times, device, flops) | {
+        "tokens_per_s": args.batch_size * config.block_size * args.steps / times["window_s"],
         "recompile_reasons": common.recompile_reasons(),
         "losses": [float(loss) for loss in losses[:5]],
         "compile_breakdown": {k: round(v, 2) for k, v in calculate_time_spent().items()},
@@ -192,18 +168,16 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     runner = run_raw if VARIANTS[args.variant][0] == "raw" else run_lightning
-    return runner(args.variant, args, SMOKE if args.smoke else GPT2_SMALL, device)
+    return runner(args.variant, args, SMOKE if args.smoke else models.GPT2_SMALL, device)
 
 
 def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """One run per named variant; a variant named again is another run: ``variant#2``."""
-    names = [
-        f"{v}#{args.variants[:i].count(v) + 1}" if v in args.variants[:i] else v for i, v in enumerate(args.variants)
-    ]
-    return [
-        {"variant": name, "loop": VARIANTS[v][0], "compiled": VARIANTS[v][1], "_variant": v}
-        for name, v in zip(names, args.variants)
-    ]
+    planned = []
+    for i, v in enumerate(args.variants):
+        name = f"{v}#{args.variants[:i].count(v) + 1}" if v in args.variants[:i] else v
+        planned.append({"variant": name, "loop": VARIANTS[v][0], "compiled": VARIANTS[v][1], "_variant": v})
+    return planned
 
 
 def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
@@ -218,7 +192,7 @@ def summarize(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict
 
 
 def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
-    block = (SMOKE if args.smoke else GPT2_SMALL).block_size
+    block = (SMOKE if args.smoke else models.GPT2_SMALL).block_size
     repeats = f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else ""
     return [
         f"batch {args.batch_size} x {block} tokens, {args.steps} timed steps after {args.warmup}; backend "
@@ -241,7 +215,6 @@ BENCHMARK = common.Benchmark(
         "--max-eager-steps": dict(type=int, default=5000, help="background compile: most eager steps"),
     },
     smoke=dict(steps=3, warmup=2, batch_size=2, backend="aot_eager"),
-    smoke_help="tiny model on the CPU with aot_eager",
     finish=summarize,
     notes=notes,
     timed=tuple("first_step_s step_ms slowest_step_ms tokens_per_s tflops mfu compiled_after_s".split()),

@@ -211,13 +211,17 @@ class LanguageModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def lr_factor(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
-        warmup, decay = self.hparams.warmup_steps, self.hparams.decay_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, decay - warmup))
-        ratio = self.hparams.min_lr_ratio
-        return ratio + (1 - ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        hparams = self.hparams
+        return warmup_cosine_factor(step, hparams.warmup_steps, hparams.decay_steps, hparams.min_lr_ratio)
+
+
+def warmup_cosine_factor(step: int, warmup: int, decay: int, min_ratio: float = 0.1) -> float:
+    """The learning rate's factor at ``step``: linear warm-up over ``warmup`` steps, then cosine decay to
+    ``min_ratio`` at step ``decay``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, decay - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def compile_and_shard(module: pl.LightningModule, model: GPT, policy, mesh) -> None:
