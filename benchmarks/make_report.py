@@ -75,7 +75,9 @@ def headline_line(result: Dict[str, Any]) -> str:
     if not repeats:
         return f"{line} Single run, no spread."
     counts = f"{min(repeats)}" if min(repeats) == max(repeats) else f"{min(repeats)}-{max(repeats)}"
-    return f"{line} Timings and ratios are medians over {counts} fresh runs a row; `spread`: each one's min, max."
+    single = len(result["rows"]) - len(repeats)
+    once = f" ({single} row{'s' * (single > 1)} without `repeats`: one run, no spread)" if single else ""
+    return f"{line} Timings and ratios are medians over {counts} fresh runs a row{once}; `spread`: each one's min, max."
 
 
 def changed_line(result: Dict[str, Any]) -> List[str]:
