@@ -182,19 +182,18 @@ def assert_regional_trains_like_eager(loop, accumulate):
 
 
 @pytest.mark.parametrize(
-    "loop, accumulate", [("raw", 1), ("raw_with_copies", 1), ("lightning", 1), ("raw_with_copies", 2), ("lightning", 2)]
+    "loop, accumulate",
+    [("raw", 1), ("raw_with_copies", 1), ("lightning", 1), ("raw", 2), ("raw_with_copies", 2), ("lightning", 2)],
 )
 def test_regional_trains_like_eager_with_and_without_gradient_accumulation(loop, accumulate):
-    assert_regional_trains_like_eager(loop, accumulate)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device: Inductor records none on the CPU")
-def test_without_gradient_copies_accumulation_is_refused_never_silently_wrong():
-    """A gradient still held at the next micro-batch's replay is overwritten: PyTorch raises (2026-11-22, H100)."""
     try:
-        assert_regional_trains_like_eager("raw", 2)
+        assert_regional_trains_like_eager(loop, accumulate)
     except RuntimeError as error:
-        assert "overwritten by a subsequent run" in str(error)
+        # Without the copies, a gradient still held at the next micro-batch's CUDA-graph replay is overwritten and
+        # PyTorch refuses it (2026-11-22, H100): refused, never silently different. Anything else fails.
+        refused = "overwritten by a subsequent run" in str(error)
+        if not (ON_GPU and loop == "raw" and accumulate > 1 and refused):
+            raise
 
 
 @pytest.mark.parametrize(
