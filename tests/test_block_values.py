@@ -207,6 +207,49 @@ def test_without_a_trial_trace_the_first_compile_moves_the_other_blocks_before_t
     assert attribute in note and "3 blocks (blocks.1, blocks.2, blocks.3) compile an entry per value" in note
 
 
+class GatedBlock(nn.Module):
+    """A block no trial trace can call (it takes a gate besides its input) with a sample gate of its own."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop_path = SampleGate(drop_prob)
+
+    def forward(self, x, gate):
+        return x + self.drop_path(torch.relu(self.fc(x)) * gate)
+
+
+class SplitStage(nn.Module):
+    """Two stages of gated blocks, one probability in the second block and another in the three others: the first
+    compile (the second block's; the first block's call checks its bf16 input eagerly) moves the three to an entry
+    of their value. Under autocast the stem and the projection hand the first and third blocks bf16, the others
+    fp32."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.project = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([GatedBlock(p) for p in (0.05, 0.1, 0.05, 0.05)])
+        self.gate = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        x = self.blocks[1](self.blocks[0](self.stem(x), self.gate), self.gate)
+        x = self.blocks[3](self.blocks[2](self.project(x), self.gate), self.gate)
+        return x.square().mean()
+
+
+def test_blocks_moved_to_an_entry_of_their_own_value_still_share_its_graph_across_input_dtypes():
+    model = SplitStage()
+    applied = apply_policy(model, to_policy("regional", backend="aot_eager", regional_min_reuse=0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        train(model)
+    assert len(block_entries(applied)) == 2, "blocks.0, 2 and 3 moved together to the entry of their value"
+    compiles = entry_compiles()
+    assert [attempt for _, attempt in compiles] == [0] * len(compiles), f"a recompile: {compiles}"
+    moved = [note for note in applied.notes if "the blocks sharing its graph: bfloat16" in note]
+    assert [note.split(" and ")[0] for note in moved] == ["blocks.0", "blocks.2"], "each entry upcasts its inputs"
+
+
 GPT2_ATTENTION = {
     # transformers 5.x: the layer's factor folded into attn.scaling, a float scaled_dot_product_attention specializes
     "transformers_5": ({}, "attn.scaling"),

@@ -20,7 +20,7 @@ autograd sums it in the input's dtype.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
@@ -51,14 +51,19 @@ class PromotedInputs:
     position = region_call.PROMOTE_INPUTS
     replaces_compiled = False
 
-    def __init__(self, entries: Iterable[str], on_upcast: Callable[[str], None] = lambda name: None) -> None:
-        self.entries = set(entries)  # the shared entries it decides for; any other entry's calls pass unchanged
+    def __init__(self, shared: Callable[[str], bool], on_upcast: Callable[[str], None] = lambda name: None) -> None:
+        # Whether blocks share an entry, asked when the entry is first called: entries are re-keyed by value when
+        # the compiler specializes one (``regions._split_by_value``), before the moved blocks' first call.
+        self.shared = shared
         self.upcast: Dict[str, bool] = {}  # entry key -> decided: upcast its lower-precision inputs
         self.on_upcast = on_upcast  # told the region's name where an entry's inputs are upcast from now on
 
     def __call__(self, item: Any, proceed: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         decided = self.upcast.get(item.entry_key)
-        if decided is False or item.entry_key not in self.entries or not _any_autocast():
+        if decided is False or not _any_autocast():
+            return proceed(*args, **kwargs)
+        if decided is None and not self.shared(item.entry_key):
+            self.upcast[item.entry_key] = False  # one block's entry: its calls pass unchanged
             return proceed(*args, **kwargs)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):

@@ -461,8 +461,8 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         if region.role == "nested":
             _mark_nested_blocks(applied, root, region)
     blocks = Counter(item.entry_key for item in applied.compiled if item.region.role == "block")
-    shared = [key for key, count in blocks.items() if count > 1]
-    if shared:
+    if any(count > 1 for count in blocks.values()):
+        shared = functools.partial(_blocks_share_entry, applied)
         applied.interceptors.add(PromotedInputs(shared, functools.partial(_note_upcast, applied)))
     for name in plan.training_without_cache:
         applied.process_settings.callback(train_without_cache(root.get_submodule(name)).remove)
@@ -473,6 +473,11 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
             applied.eager_inside.append(name)
     setattr(root, APPLIED_ATTR, applied)
     return applied
+
+
+def _blocks_share_entry(applied: AppliedPolicy, entry_key: str) -> bool:
+    """Whether more than one block calls the entry ``entry_key`` now (entries split by value included)."""
+    return sum(item.entry_key == entry_key and item.region.role == "block" for item in applied.compiled) > 1
 
 
 def _note_upcast(applied: AppliedPolicy, name: str) -> None:
