@@ -25,13 +25,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from benchmarks.make_report import cell
+from benchmarks.make_report import RESULTS, ROOT, cell
 from compile_trainer import compat
 from compile_trainer.tables import text_table
 from compile_trainer.telemetry.throughput import table_peak_flops
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 Rows = List[Dict[str, Any]]
 
 # The flags several benchmarks share: their type and help (a benchmark gives the default).
