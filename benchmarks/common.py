@@ -385,7 +385,8 @@ def run_fresh(
 ) -> Dict[str, Any]:
     """``python script args... --worker-out FILE`` in a fresh process with empty Inductor and Triton caches of its
     own (in ``caches`` when given, which outlive the run). Returns the JSON the worker wrote; on a failure or a
-    timeout, only the ``error``, the output appended to ``log``."""
+    timeout, with the ``error`` (a worker that wrote its row and then failed, in teardown say, keeps the row), the
+    output appended to ``log``."""
 
     def text(output: Any) -> str:  # a timeout's output comes as bytes, or None
         return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
@@ -408,13 +409,14 @@ def run_fresh(
         except subprocess.TimeoutExpired as expired:
             output = text(expired.stdout) + text(expired.stderr)
             error = f"timed out after {timeout:.0f} s | " + tail(text(expired.stderr))
-        if error is None:
-            return json.loads(out.read_text())
+        written = json.loads(out.read_text()) if out.exists() else {}
+    if error is None:
+        return written
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("a") as file:
             file.write(f"==== {' '.join(args)} ({time.strftime('%H:%M:%S')})\n{output.rstrip()}\n\n")
-    return {"error": error}
+    return written | {"error": error}
 
 
 def worker(out: Path, measure: Callable[[], Any], timeout: Optional[float] = None) -> None:
