@@ -75,9 +75,14 @@ def headline_line(result: Dict[str, Any]) -> str:
     if not repeats:
         return f"{line} Single run, no spread."
     counts = f"{min(repeats)}" if min(repeats) == max(repeats) else f"{min(repeats)}-{max(repeats)}"
-    single = len(result["rows"]) - len(repeats)
+    failed = sum(1 for row in result["rows"] if row.get("error") and not row.get("repeats"))
+    single = len(result["rows"]) - len(repeats) - failed
     once = f" ({single} row{'s' * (single > 1)} without `repeats`: one run, no spread)" if single else ""
-    return f"{line} Timings and ratios are medians over {counts} fresh runs a row{once}; `spread`: each one's min, max."
+    errors = f" {failed} row{'s' * (failed > 1)} failed: the error column says why." if failed else ""
+    return (
+        f"{line} Timings and ratios are medians over {counts} fresh runs a row{once}; `spread`: each one's min, "
+        f"max.{errors}"
+    )
 
 
 def changed_line(result: Dict[str, Any]) -> List[str]:

@@ -146,7 +146,8 @@ def test_the_report_shows_a_headline_s_commit_and_repeats_and_a_former_headline_
     headline = {"benchmark": "x", "title": "X headline", "meta": meta, "columns": ["variant", "step_ms"]}
     (results / "experiments").mkdir(parents=True)
     once = {"variant": "by_hand", "step_ms": 12.5}  # a row measured once among repeated ones
-    (results / "x.json").write_text(json.dumps(headline | {"rows": [row, once], "notes": []}))
+    failed = {"variant": "nested", "error": "InductorError: ..."}  # a failed run: no figure to repeat
+    (results / "x.json").write_text(json.dumps(headline | {"rows": [row, once, failed], "notes": []}))
     old = headline | {"rows": [{"variant": "compiled", "step_ms": 9.0}], "notes": [], "meta": meta | {"commit": None}}
     (results / "y.json").write_text(json.dumps(old | {"title": "Y headline"}))
     former = old | {"experiment": "X as it was", "changed_since": "regional's rest became auto"}
@@ -159,6 +160,7 @@ def test_the_report_shows_a_headline_s_commit_and_repeats_and_a_former_headline_
         "Commit `abc1234`. Timings and ratios are medians over 3 fresh runs a row (1 row without `repeats`: one run"
         in text[x:y]
     )
+    assert "1 row failed: the error column says why." in text[x:y]
     assert "Commit not recorded. Single run, no spread." in text[y : text.index("## Experiments")]
     former_section = text[text.index("### X as it was") :]
     assert "what changed since:** regional's rest became auto" in former_section
