@@ -79,10 +79,7 @@ def headline_line(result: Dict[str, Any]) -> str:
     single = len(result["rows"]) - len(repeats) - failed
     once = f" ({single} row{'s' * (single > 1)} without `repeats`: one run, no spread)" if single else ""
     errors = f" {failed} row{'s' * (failed > 1)} failed: the error column says why." if failed else ""
-    return (
-        f"{line} Timings and ratios are medians over {counts} fresh runs a row{once}; `spread`: each one's min, "
-        f"max.{errors}"
-    )
+    return f"{line} Timings and ratios are medians over {counts} fresh runs a row{once}; `spread`: min, max.{errors}"
 
 
 def changed_line(result: Dict[str, Any]) -> List[str]:
