@@ -13,7 +13,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 from benchmarks.make_report import RESULTS, ROOT, cell
 from compile_trainer import compat
 from compile_trainer.tables import text_table
+from compile_trainer.telemetry.compile_events import split_compile_id
 from compile_trainer.telemetry.throughput import table_peak_flops
 
 Rows = List[Dict[str, Any]]
@@ -155,8 +155,7 @@ def rel_diff(values: Sequence[float], reference: Sequence[float]) -> Optional[fl
 
 def is_recompile(metric: Any) -> bool:
     """A Dynamo compilation-metrics entry whose compile id "frame/attempt" has attempt > 0: a recompile."""
-    match = re.search(r"(\d+)/(\d+)", str(metric.compile_id))
-    return bool(match) and int(match.group(2)) > 0
+    return split_compile_id(str(metric.compile_id))[1] > 0
 
 
 def frame_compile_seconds(metric: Any) -> float:

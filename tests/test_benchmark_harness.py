@@ -165,3 +165,13 @@ def test_the_report_shows_a_headline_s_commit_and_repeats_and_a_former_headline_
     former_section = text[text.index("### X as it was") :]
     assert "what changed since:** regional's rest became auto" in former_section
     assert "Commit" not in former_section, "only headlines state their commit"
+
+
+@pytest.mark.parametrize(
+    "compile_id, recompile",
+    [("0/0", False), ("3/1", True), ("[2/1]", True), ("!0/3/0", False), ("!0/3/1", True)],
+)
+def test_a_recompile_is_read_from_the_compile_id_as_the_telemetry_reads_it(compile_id, recompile):
+    """Compiled autograd's ids carry a prefix ("!0/3/0": frame 3, first attempt), which is no recompile."""
+    metric = type("Metric", (), {"compile_id": compile_id})()
+    assert common.is_recompile(metric) is recompile

@@ -47,7 +47,7 @@ CUDAGRAPH_RECORDING = "CUDAGRAPH_RECORDING"  # the compile callbacks' trigger wh
 EVENT_COLUMNS = ("kind", "region", "phase", "step", "compile_id", "reason", "location", "fix")
 
 
-def _split_compile_id(compile_id: str) -> Tuple[str, int]:
+def split_compile_id(compile_id: str) -> Tuple[str, int]:
     """``"3/1"`` -> ``("3", 1)``; compiled-autograd ids carry a prefix (``"!0/3/1"``)."""
     match = re.search(r"(\d+)/(\d+)\s*\]?$", compile_id or "")
     if match is None:
@@ -351,7 +351,7 @@ class CompileTelemetry:
         if record is not None:
             self._finish(record, metric)
         elif getattr(metric, "fail_type", None):  # refused before any callback ran: the recompile limit
-            frame, attempt = _split_compile_id(compile_id)
+            frame, attempt = split_compile_id(compile_id)
             entry = self._frame_entry.get(frame)
             self._failure(entry, compile_id, attempt, metric, self.phase, self.step)
 
@@ -370,7 +370,7 @@ class CompileTelemetry:
         return self.regions[label]
 
     def _finish(self, record: _Compile, metric: Any) -> None:
-        frame, attempt = _split_compile_id(record.compile_id)
+        frame, attempt = split_compile_id(record.compile_id)
         co_name = getattr(metric, "co_name", None) or ""
         entry = co_name if co_name.startswith(ENTRY_PREFIX) else record.entry
         if entry is None and record.trigger != "DYNAMO":
