@@ -166,6 +166,32 @@ def test_nested_blocks_refused_where_they_are_not_safe(tiny_gpt):
         apply_policy(Wrapper(tiny_gpt), to_policy(policy))
 
 
+class NormedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return x + self.norm(self.fc(x))
+
+
+def test_nested_blocks_with_running_statistics_are_refused_in_training_only():
+    """torch's invoke_subgraph refuses a block that updates buffers in place in training (BatchNorm's running
+    statistics; torch 2.9-2.14): refused before anything compiles, naming the norm; in eval mode it runs."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(*[NormedBlock() for _ in range(3)]))
+    nested = to_policy({"rules": [{"name": "model", "action": "regional", "rest": "nested"}], "backend": "aot_eager"})
+    with pytest.raises(PolicyError, match=r"block 'model.1.0' holds 'model.1.0.norm' \(BatchNorm1d\).*rest: compile"):
+        apply_policy(Wrapper(model), nested)
+    assert all(compat.compiled_call(m) is None for m in model.modules()), "nothing compiled before the error"
+    model.eval()
+    inputs = torch.randn(5, 4)
+    expected = model(inputs)
+    applied = apply_policy(Wrapper(model), nested)
+    assert [row["action"] for row in applied.rows()][:2] == ["full, nested blocks", "nested block"]
+    torch.testing.assert_close(model(inputs), expected)
+    applied.remove()
+
+
 def test_cuda_graph_policies_mark_where_each_step_begins(tiny_gpt):
     """With CUDA graphs, a step that calls several regions must be marked, or the second block's replay
     overwrites outputs the first block saved for backward. Compilation is lazy: nothing runs on a GPU here."""

@@ -297,7 +297,7 @@ def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
     return _entries[key]
 
 
-def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device) -> None:
+def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device, root: nn.Module) -> None:
     where = f"{region.name!r} (rule {region.rule_index}, rest: nested)"
     if kwargs["backend"] not in NESTED_BACKENDS:
         raise PolicyError(f"{where} needs an AOT backend ({', '.join(NESTED_BACKENDS)}), not {kwargs['backend']!r}.")
@@ -306,6 +306,23 @@ def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device) 
             f"{where}: Inductor on the CPU computed wrong gradients for nested compile regions (seen on torch 2.13); "
             "use rest: compile, or backend aot_eager on the CPU."
         )
+    for block_name in region.nested_blocks:
+        block = root.get_submodule(block_name)
+        stats = next((name for name, m in block.named_modules() if _updates_running_stats(m)), None)
+        if stats is not None:
+            held = f"{block_name}.{stats}" if stats else block_name
+            raise PolicyError(
+                f"{where}: the nested block {block_name!r} holds {held!r} "
+                f"({type(block.get_submodule(stats)).__name__}), whose forward updates its running statistics in "
+                "place in training, and nested compile regions (torch's invoke_subgraph) refuse in-place buffer "
+                f"updates in training (torch {torch.__version__}). Use rest: compile (the 'regional' policy), or "
+                "norms without running statistics (track_running_stats=False)."
+            )
+
+
+def _updates_running_stats(module: nn.Module) -> bool:
+    """A norm in training that updates running statistics (BatchNorm, SyncBatchNorm, and norms like them)."""
+    return module.training and getattr(module, "track_running_stats", False) and hasattr(module, "running_mean")
 
 
 def _mark_nested_blocks(applied: AppliedPolicy, root: nn.Module, region: Region) -> None:
@@ -409,7 +426,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
         for note in notes:
             noted.setdefault(note, []).append(region.name)
         if region.role == "nested":
-            _check_nested(region, kwargs, device)
+            _check_nested(region, kwargs, device, root)
         planned.append((region, kwargs))
     for note, names in noted.items():
         applied.notes.append(f"{'all regions' if len(names) == len(plan.regions) else ', '.join(names)}: {note}")
