@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from compile_trainer import CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
+from compile_trainer import CompileCallback, PolicyError, apply_policy, compat, format_plan_table, to_policy
 from tests.conftest import quiet_cpu_trainer
 from tests.user_models import MNISTLitModule, UserData, UserModule, digit_batches
 
@@ -244,6 +244,35 @@ def test_a_model_the_user_compiled_already_is_an_error_before_training(how):
         trainer.fit(module, datamodule=UserData("gpt2"))
     assert f"model ({how})" in str(error.value)
     assert module.losses == [], "nothing trained"
+
+
+def test_nested_stages_of_a_resnet_train_from_torch_2_13_and_are_refused_before():
+    """transformers' ResNet under ``rest: nested``: its stages (distinct structures, each a subgraph called once)
+    update BatchNorm's running statistics in training, which torch's invoke_subgraph refused up to 2.11 (checked
+    2.9.1 and 2.11) and does from 2.13: before, the policy refuses it before anything compiles, naming the norm."""
+    import transformers
+    from torch import nn
+
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2], num_labels=10)
+    config.layer_type = "bottleneck"
+    model = transformers.ResNetForImageClassification(config).train()
+    root = nn.ModuleDict({"model": model})
+    policy = to_policy({"rules": [{"name": "model", "action": "regional", "rest": "nested"}], "backend": "aot_eager"})
+    if compat.torch_version() < (2, 13):
+        with pytest.raises(
+            PolicyError, match=r"'model.resnet.encoder.stages.0' hold .*BatchNorm2d.*at all on torch < 2"
+        ):
+            apply_policy(root, policy)
+        return
+    applied = apply_policy(root, policy)
+    assert [row["action"] for row in applied.rows()] == ["full, nested blocks", "nested block", "nested block"]
+    norm = model.resnet.embedder.embedder.normalization
+    tracked = [m.num_batches_tracked.item() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    model(pixel_values=torch.randn(4, 3, 32, 32), labels=torch.randint(0, 10, (4,))).loss.backward()
+    after = [m.num_batches_tracked.item() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert after == [t + 1 for t in tracked], "every BatchNorm updated its running statistics once"
+    assert norm.running_mean.abs().sum() > 0
+    applied.remove()
 
 
 def test_regional_with_inductor_on_a_real_model_matches_eager():

@@ -42,6 +42,7 @@ from compile_trainer.compiling.promoted_inputs import PromotedInputs
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
+from compile_trainer.planning.structure import structure_key
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError
 from compile_trainer.tables import text_table
 
@@ -297,6 +298,10 @@ def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
     return _entries[key]
 
 
+# From this torch on, a nested block called once may update buffers in training (2.9.1 and 2.11 refused it)
+NESTED_SINGLE_CALL_MUTATION_VERSION = (2, 13)
+
+
 def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device, root: nn.Module) -> None:
     where = f"{region.name!r} (rule {region.rule_index}, rest: nested)"
     if kwargs["backend"] not in NESTED_BACKENDS:
@@ -306,17 +311,21 @@ def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device, 
             f"{where}: Inductor on the CPU computed wrong gradients for nested compile regions (seen on torch 2.13); "
             "use rest: compile, or backend aot_eager on the CPU."
         )
-    for block_name in region.nested_blocks:
-        block = root.get_submodule(block_name)
+    groups: Dict[str, List[str]] = {}  # structure -> the nested blocks that call one subgraph
+    for name in region.nested_blocks:
+        groups.setdefault(structure_key(root.get_submodule(name)), []).append(name)
+    once_called = compat.torch_version() >= NESTED_SINGLE_CALL_MUTATION_VERSION  # its subgraph may update buffers
+    for names in (names for names in groups.values() if len(names) > 1 or not once_called):
+        block = root.get_submodule(names[0])
         stats = next((name for name, m in block.named_modules() if _updates_running_stats(m)), None)
         if stats is not None:
-            held = f"{block_name}.{stats}" if stats else block_name
+            calls = "more than once" if len(names) > 1 else "at all on torch < 2.13"
             raise PolicyError(
-                f"{where}: the nested block {block_name!r} holds {held!r} "
-                f"({type(block.get_submodule(stats)).__name__}), whose forward updates its running statistics in "
-                "place in training, and nested compile regions (torch's invoke_subgraph) refuse in-place buffer "
-                f"updates in training (torch {torch.__version__}). Use rest: compile (the 'regional' policy), or "
-                "norms without running statistics (track_running_stats=False)."
+                f"{where}: the nested block(s) {', '.join(map(repr, names))} hold "
+                f"{'.'.join(filter(None, (names[0], stats)))!r} ({type(block.get_submodule(stats)).__name__}), whose "
+                "forward updates its running statistics in place in training: torch's invoke_subgraph refuses "
+                f"in-place buffer updates in a subgraph it calls {calls} (torch {torch.__version__}). Use rest: "
+                "compile (the 'regional' policy), or norms without running statistics (track_running_stats=False)."
             )
 
 
