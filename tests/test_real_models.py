@@ -248,8 +248,8 @@ def test_a_model_the_user_compiled_already_is_an_error_before_training(how):
 
 def test_nested_stages_of_a_resnet_train_from_torch_2_13_and_are_refused_before():
     """transformers' ResNet under ``rest: nested``: its stages (distinct structures, each a subgraph called once)
-    update BatchNorm's running statistics in training, which torch's invoke_subgraph refused up to 2.11 (checked
-    2.9.1 and 2.11) and does from 2.13: before, the policy refuses it before anything compiles, naming the norm."""
+    update BatchNorm's running statistics in training, which torch's invoke_subgraph refused on 2.9.1 (and
+    ResNet-50's nested row on 2.11) and does from 2.13: before, the policy refuses it before anything compiles."""
     import transformers
     from torch import nn
 

@@ -298,7 +298,7 @@ def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
     return _entries[key]
 
 
-# From this torch on, a nested block called once may update buffers in training (2.9.1 and 2.11 refused it)
+# From this torch on, a nested block called once may update buffers in training (2.9.1 refused it; 2.12 untried)
 NESTED_SINGLE_CALL_MUTATION_VERSION = (2, 13)
 
 
