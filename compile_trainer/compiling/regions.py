@@ -314,18 +314,24 @@ def _check_nested(region: Region, kwargs: Dict[str, Any], device: torch.device, 
     groups: Dict[str, List[str]] = {}  # structure -> the nested blocks that call one subgraph
     for name in region.nested_blocks:
         groups.setdefault(structure_key(root.get_submodule(name)), []).append(name)
-    once_called = compat.torch_version() >= NESTED_SINGLE_CALL_MUTATION_VERSION  # its subgraph may update buffers
-    for names in (names for names in groups.values() if len(names) > 1 or not once_called):
+    single_call_problem = compat.needs_torch(
+        "a nested block called once that updates buffers in place in training", NESTED_SINGLE_CALL_MUTATION_VERSION
+    )
+    for names in (names for names in groups.values() if len(names) > 1 or single_call_problem):
         block = root.get_submodule(names[0])
         stats = next((name for name, m in block.named_modules() if _updates_running_stats(m)), None)
         if stats is not None:
-            calls = "more than once" if len(names) > 1 else "at all on torch < 2.13"
+            refused = (
+                f"torch's invoke_subgraph refuses in-place buffer updates in a subgraph it calls more than once "
+                f"(torch {torch.__version__})"
+                if len(names) > 1
+                else single_call_problem
+            )
             raise PolicyError(
                 f"{where}: the nested block(s) {', '.join(map(repr, names))} hold "
                 f"{'.'.join(filter(None, (names[0], stats)))!r} ({type(block.get_submodule(stats)).__name__}), whose "
-                "forward updates its running statistics in place in training: torch's invoke_subgraph refuses "
-                f"in-place buffer updates in a subgraph it calls {calls} (torch {torch.__version__}). Use rest: "
-                "compile (the 'regional' policy), or norms without running statistics (track_running_stats=False)."
+                f"forward updates its running statistics in place in training: {refused}. Use rest: compile (the "
+                "'regional' policy), or norms without running statistics (track_running_stats=False)."
             )
 
 
