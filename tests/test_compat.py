@@ -158,3 +158,20 @@ def test_an_ignored_logger_method_by_name_is_json_and_still_ignored_by_dynamo():
         torch._dynamo.config.ignore_logger_methods = previous
         torch._dynamo.reset()
     assert compat.dynamo_config_loggable()
+
+
+def test_a_policy_declared_with_inductor_starts_the_compiler_key_hashes_once(monkeypatch):
+    """``CompileCallback(...)`` (and ``apply_policy``) begin Inductor's per-process start-up where the policy
+    compiles with Inductor; a policy that compiles nothing, or only with other backends, starts nothing."""
+    from compile_trainer import CompileCallback
+    from compile_trainer.compiling.warmup import uses_inductor
+    from compile_trainer.schema import to_policy
+
+    assert uses_inductor(to_policy("regional")) and uses_inductor(to_policy("none", optimizer={"compile": "true"}))
+    assert not uses_inductor(to_policy("regional", backend="aot_eager")) and not uses_inductor(to_policy("none"))
+    monkeypatch.setattr(compat, "_compiler_keys_prefetched", False)
+    CompileCallback("regional", backend="aot_eager")
+    assert compat._compiler_keys_prefetched is False
+    CompileCallback("regional")
+    assert compat._compiler_keys_prefetched is True
+    assert isinstance(compat.compiler_key_functions()[0](), bytes)  # the prefetched (or awaited) key

@@ -250,3 +250,26 @@ def test_regions_compiled_for_cuda_graphs_load_with_cuda_graphs(tmp_path):
     assert compat.unique_graphs() == traced and cache.summary(0.0)["cache_precompiled_hits"] == 5
     assert compat.cudagraph_skips() - skips == compiled_skips, "the loaded graphs asked for CUDA graphs too"
     _assert_same(step, reference)
+
+
+def _fit_counting_flops(cache_dir, batch_size=4):
+    torch._dynamo.reset()
+    callback = CompileCallback("regional", backend="aot_eager", cache={"dir": str(cache_dir)})
+    trainer = pl.Trainer(
+        max_steps=3, logger=False, callbacks=[callback], accelerator="cpu", enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(TinyRegression(n_batches=3, batch_size=batch_size))
+    return callback.summary()
+
+
+def test_a_run_the_bundle_serves_takes_its_flops_and_a_different_step_counts_its_own(tmp_path):
+    """The cold run's count travels in the bundle with its step's signature (batch shapes, training_step's code):
+    the next run of the same step takes it and counts nothing during its first step; another batch size counts."""
+    cold = _fit_counting_flops(tmp_path)
+    assert cold["flops_source"] == "counted" and cold["flops_per_step"] > 0
+    served = _fit_counting_flops(tmp_path)
+    assert served["cache_precompiled_hits"] >= 3
+    assert (served["flops_source"], served["flops_per_step"]) == ("compile cache", cold["flops_per_step"])
+    other = _fit_counting_flops(tmp_path, batch_size=8)
+    assert other["flops_source"] == "counted" and other["flops_per_step"] == pytest.approx(2 * cold["flops_per_step"])

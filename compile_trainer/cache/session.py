@@ -53,6 +53,7 @@ class CacheOutcome:
     bundle_date: Optional[str] = None
     bundle_bytes: int = 0
     cold_compile_s: Optional[float] = None  # the cold compile that wrote the bundle
+    flops_record: Optional[Dict[str, Any]] = None  # the FLOPs per step it counted, with the step's signature
     load_s: float = 0.0
     loaded: Dict[str, float] = field(default_factory=dict)
     saves: int = 0
@@ -122,6 +123,7 @@ class CompileCache:
         self.outcome.bundle_date = bundle.manifest.get("date")
         self.outcome.bundle_bytes = len(data)
         self.outcome.cold_compile_s = bundle.manifest.get("cold_compile_s")
+        self.outcome.flops_record = bundle.manifest.get("flops_per_step")
         return self.outcome
 
     def attach(self, applied: AppliedPolicy) -> None:
@@ -173,12 +175,20 @@ class CompileCache:
         rank 0 gathers the other ranks' captures into its bundle)."""
         return len(self.precompiled.pending) if self.precompiled is not None else 0
 
-    def save(self, regions: List[str], compile_time_s: Optional[float], final: bool = False) -> bool:
+    def save(
+        self,
+        regions: List[str],
+        compile_time_s: Optional[float],
+        final: bool = False,
+        flops_record: Optional[Dict[str, Any]] = None,
+    ) -> bool:
         """Write the bundle if this rank writes and something was compiled (a cache miss) since the last save.
 
         ``compile_time_s``: this run's compile time so far; kept in the bundle as its cold compile time (a bundle
         updated by a run that hit keeps the cold time it had). ``final``: training is over, so the precompiled
         layer captures the region calls that compiled (``PrecompiledRegions.capture_pending``) into this save.
+        ``flops_record``: the telemetry's FLOPs per step and the step's signature (``FitTelemetry.flops_record``),
+        kept so that a run with the same step takes them instead of counting them during its first step.
         Returns whether a bundle was written.
         """
         if final and self.precompiled is not None and self.settings.writes:
@@ -209,6 +219,7 @@ class CompileCache:
                 "regions": list(regions),
                 "cold_compile_s": cold,
                 "counts": counts,
+                "flops_per_step": flops_record or self.outcome.flops_record,
             }
             data = encode(manifest, sections)
             self._store().write(self.name, data)

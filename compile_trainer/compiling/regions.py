@@ -41,6 +41,7 @@ from compile_trainer.compiling.block_values import (
 from compile_trainer.compiling.promoted_inputs import PromotedInputs
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
 from compile_trainer.compiling.runtime_checks import check_policy_runtime
+from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
 from compile_trainer.planning.structure import structure_key
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError
@@ -425,6 +426,7 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
             "apply one policy once per model (call .remove() on the first AppliedPolicy to undo it)."
         )
     check_policy_runtime(policy)
+    start_compiler_warmup(policy)
     if policy.compiles_modules:
         _refuse_user_compiled(root)
     plan = resolve_plan(root, policy, trial=_trial_trace_dropping_once_warnings)

@@ -20,6 +20,7 @@ from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
+from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.lightning.batch_hooks import ShapeHooks
 from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
 from compile_trainer.lightning.strategies import (
@@ -61,6 +62,7 @@ class CompileCallback(pl.Callback):
 
     def __init__(self, policy: Any = "regional", print_plan: bool = True, telemetry: Any = True, **overrides: Any):
         self.policy: CompilePolicy = check_policy_runtime(to_policy(policy, **overrides))
+        start_compiler_warmup(self.policy)  # overlaps the model's building and the Trainer's set-up
         self.print_plan = print_plan
         self.applied: Optional[AppliedPolicy] = None
         self.shape_hooks: Optional[ShapeHooks] = None
@@ -100,6 +102,8 @@ class CompileCallback(pl.Callback):
         if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
             self.cache = CompileCache(self.policy.cache)
             self.cache.load(pl_module, self.policy, pl_module.device)
+            if self.telemetry is not None:
+                self.telemetry.recorded_flops = self.cache.outcome.flops_record
         self.applied = self._adopt_applied(pl_module)
         if self.applied is None:
             self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
@@ -233,7 +237,8 @@ class CompileCallback(pl.Callback):
                     "(once per bundle: later runs skip their tracing)"
                 )
             regions = [item.region.name for item in self.applied.compiled]
-            self.cache.save(regions, self.summary().get("compile_time_s"), final=final)
+            flops = self.telemetry.flops_record() if self.telemetry is not None else None
+            self.cache.save(regions, self.summary().get("compile_time_s"), final=final, flops_record=flops)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.telemetry is not None:

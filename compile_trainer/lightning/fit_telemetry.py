@@ -23,7 +23,7 @@ from compile_trainer import compat
 from compile_trainer.compiling.regions import AppliedPolicy
 from compile_trainer.schema import SettingsError, TelemetryConfig
 from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
-from compile_trainer.telemetry.flops import StepFlopCount
+from compile_trainer.telemetry.flops import StepFlopCount, step_signature
 from compile_trainer.telemetry.throughput import (
     COMPILE,
     STEADY,
@@ -71,6 +71,11 @@ class FitTelemetry:
         self._count_flops = False  # at the next training batch
         self._flop_count: Optional[StepFlopCount] = None  # counting the FLOPs of the step under way
         self._counted_step = False  # the step under way is (was) the one counted: not a steady step
+        # A count made elsewhere for a step signature (the compile cache's bundle: its cold run's count), used
+        # instead of counting when the first step's signature is the same; and this run's count with its signature.
+        self.recorded_flops: Optional[Dict[str, Any]] = None
+        self._flops_signature: Optional[str] = None
+        self.flops_source: Optional[str] = "configured" if config.flops_per_step else None
         self._steps = 0
         self._logged_steps = 0
         self._compiles_at_start = 0
@@ -130,6 +135,12 @@ class FitTelemetry:
         if self._flop_count is not None:  # the last batch never ended (on_train_batch_start returned -1): again
             self._flop_count.abort()
             self._flop_count, self._count_flops = None, True
+        if self._count_flops:
+            self._flops_signature = step_signature(batch, trainer.lightning_module.training_step)
+            if self.recorded_flops and self.recorded_flops.get("signature") == self._flops_signature:
+                self._count_flops = False  # the same step counted before: no dispatch mode on this step
+                self._flops, self.flops_source = float(self.recorded_flops["flops"]), "compile cache"
+                self.throughput.flops_per_step = self._flops
         self._counted_step = self._count_flops
         if self._count_flops:
             self._count_flops = False
@@ -186,6 +197,7 @@ class FitTelemetry:
         count, self._flop_count = self._flop_count, None
         try:
             self._flops = float(count.finish()) or None
+            self.flops_source = "counted" if self._flops else None
         except Exception as error:  # a compiled graph that cannot run on fake tensors, ...
             log.warning(
                 "FLOPs per step not measured (%s: %s); set telemetry.flops_per_step to get TFLOP/s and MFU",
@@ -193,6 +205,12 @@ class FitTelemetry:
                 str(error).strip().splitlines()[0] if str(error).strip() else "",
             )
         self.throughput.flops_per_step = self._flops
+
+    def flops_record(self) -> Optional[Dict[str, Any]]:
+        """This run's FLOPs per step with the signature of the step they were counted on (for the compile cache)."""
+        if self._flops is None or self._flops_signature is None:
+            return None
+        return {"signature": self._flops_signature, "flops": self._flops}
 
     def metrics(self) -> Dict[str, float]:
         """Series for the loggers: compile counts so far and throughput since the last call."""
@@ -228,6 +246,7 @@ class FitTelemetry:
             return {}
         self.compile.collect()
         summary = {**self.compile.totals(), **self.throughput.summary(wait=True)}
+        summary["flops_source"] = self.flops_source
         for source in self.summary_sources.values():
             summary.update(source())
         return summary

@@ -22,6 +22,7 @@ convolution and attention kernels, but not kernels it generates itself (``max-au
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -42,6 +43,18 @@ def _signature(args: Tuple[Any, ...]) -> Tuple[Any, ...]:
         else (a if isinstance(a, (int, float, bool, str, type(None))) else id(a))
         for a in args
     )
+
+
+def step_signature(batch: Any, training_step: Callable[..., Any]) -> str:
+    """What a step's FLOPs depend on besides the model: its batch's tensor shapes and dtypes (other values by type)
+    and the code of ``training_step``. Two steps of one model with the same signature count the same FLOPs."""
+    leaves = [
+        f"{tuple(leaf.shape)}:{leaf.dtype}" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+        for leaf in tree_leaves(batch)
+    ]
+    code = getattr(training_step, "__code__", None)
+    digest = hashlib.sha256(code.co_code + repr(code.co_consts).encode() if code is not None else b"").hexdigest()
+    return f"{','.join(leaves)}|{getattr(training_step, '__qualname__', '')}:{digest[:16]}"
 
 
 def graph_flops(graph: torch.fx.GraphModule, args: Tuple[Any, ...]) -> GraphFlops:
