@@ -408,7 +408,10 @@ def run_fresh(
         except subprocess.TimeoutExpired as expired:
             output = text(expired.stdout) + text(expired.stderr)
             error = f"timed out after {timeout:.0f} s | " + tail(text(expired.stderr))
-        written = json.loads(out.read_text()) if out.exists() else {}
+        try:  # a worker that failed while writing leaves a partial file: its error stands, the row is lost
+            written = json.loads(out.read_text()) if out.exists() else {}
+        except json.JSONDecodeError as partial:
+            written, error = {}, error or f"unreadable result ({partial})"
     if error is None:
         return written
     if log is not None:

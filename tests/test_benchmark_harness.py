@@ -22,9 +22,12 @@ WORKER = textwrap.dedent(
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail", action="store_true")
     parser.add_argument("--sleep", type=float, default=0)
+    parser.add_argument("--partial", action="store_true")
     parser.add_argument("--worker-out", type=Path)
     args = parser.parse_args()
-    if args.fail:
+    if args.partial:
+        args.worker_out.write_text('{"first_step_s": 1')
+    if args.fail or args.partial:
         sys.exit("the variant failed on purpose")
     if args.sleep:
         import time
@@ -61,6 +64,8 @@ def test_each_variant_runs_in_a_fresh_process_with_empty_caches_of_its_own(tmp_p
     failed = common.run_fresh(str(script), ["--fail"], timeout=120, log=log)
     assert failed["error"].startswith("exit code 1 |") and "failed on purpose" in failed["error"]
     assert "failed on purpose" in log.read_text() and set(failed) == {"error"}, "a failed run's row: its error"
+    partial = common.run_fresh(str(script), ["--partial"], timeout=120)  # a row cut while being written
+    assert partial["error"].startswith("exit code 1 |") and set(partial) == {"error"}
     slow = common.run_fresh(str(script), ["--sleep", "30"], timeout=3)
     assert slow["error"].startswith("timed out after 3 s") and set(slow) == {"error"}
 
