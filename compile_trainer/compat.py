@@ -508,8 +508,8 @@ def warm_compile_workers() -> None:
 def compiler_key_functions() -> List[Callable[[], Any]]:
     """The hashes of the installation that key Inductor's caches, each computed once per process by its first
     compile or cache load: torch's sources (``codecache.torch_key``) and Triton's sources and library
-    (``codecache.triton_key`` from 2.12; before, ``runtime.triton_compat.triton_key``). 0.27 s and 0.4 s of a new
-    machine's first step on an H100 (2.11). Checked 2.9.1, 2.13, 2.14.1 on the CPU; 2.11 on an H100."""
+    (``codecache.triton_key`` from 2.12; before, ``runtime.triton_compat.triton_key``): 0.17 s and 0.41 s of a
+    new machine's first step on an H100 (2.11). Checked 2.9.1, 2.13, 2.14.1 on the CPU; 2.11 on an H100."""
     from torch._inductor import codecache
 
     functions: List[Callable[[], Any]] = [codecache.torch_key]
