@@ -45,8 +45,8 @@ def measure(args: Any) -> Dict[str, Any]:
     rule = Rule(name="model", action="regional", rest="compile")
     policy = CompilePolicy(name="regional", backend=args.backend, rules=[rule])
     applied = apply_policy(module, validate_policy(policy), device=device)
-    precision = "bf16-mixed" if device.type == "cuda" else "32-true"
-    trainer = SimpleNamespace(global_step=0, log_every_n_steps=10, loggers=[], precision=precision)
+    trainer = SimpleNamespace(global_step=0, log_every_n_steps=10, loggers=[], lightning_module=module,
+                              precision="bf16-mixed" if device.type == "cuda" else "32-true")  # fmt: skip
     telemetry.start(trainer, module, applied)
     hook_seconds: List[float] = []
 
