@@ -160,9 +160,10 @@ def test_an_ignored_logger_method_by_name_is_json_and_still_ignored_by_dynamo():
     assert compat.dynamo_config_loggable()
 
 
-def test_a_policy_declared_with_inductor_starts_the_compiler_key_hashes_once(monkeypatch):
+def test_the_compiler_warmup_starts_for_inductor_policies_on_a_gpu_only(monkeypatch):
     """``CompileCallback(...)`` (and ``apply_policy``) begin Inductor's per-process start-up where the policy
-    compiles with Inductor; a policy that compiles nothing, or only with other backends, starts nothing."""
+    compiles with Inductor on a GPU (where it was measured to shorten the first step); a policy that compiles
+    nothing, or only with other backends, and any policy on a machine without a GPU start nothing."""
     from compile_trainer import CompileCallback
     from compile_trainer.compiling.warmup import uses_inductor
     from compile_trainer.schema import to_policy
@@ -173,5 +174,4 @@ def test_a_policy_declared_with_inductor_starts_the_compiler_key_hashes_once(mon
     CompileCallback("regional", backend="aot_eager")
     assert compat._compiler_keys_prefetched is False
     CompileCallback("regional")
-    assert compat._compiler_keys_prefetched is True
-    assert isinstance(compat.compiler_key_functions()[0](), bytes)  # the prefetched (or awaited) key
+    assert compat._compiler_keys_prefetched is torch.cuda.is_available()

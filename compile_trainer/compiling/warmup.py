@@ -25,11 +25,11 @@ def uses_inductor(policy: CompilePolicy) -> bool:
 
 
 def start_compiler_warmup(policy: CompilePolicy) -> None:
-    """Prefetch Inductor's cache keys and start its compile-worker pool (both once per process). With a compile
-    cache the pool is left to Inductor: a run the cache serves compiles nothing and needs no workers. Neither
+    """On a GPU, prefetch Inductor's cache keys and start its compile-worker pool (both once per process). With a
+    compile cache the pool is left to Inductor: a run the cache serves compiles nothing and needs no workers. Neither
     changes what is compiled or how: Inductor would do both at its first compile."""
-    if not uses_inductor(policy):
+    if not uses_inductor(policy) or not torch.cuda.is_available():  # measured on GPUs; on a CPU both are noise
         return
     compat.prefetch_compiler_keys()
-    if torch.cuda.is_available() and not policy.cache.active:  # Triton compiles GPU kernels only
+    if not policy.cache.active:
         compat.warm_compile_workers()
