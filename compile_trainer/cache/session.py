@@ -123,7 +123,7 @@ class CompileCache:
         self.outcome.bundle_date = bundle.manifest.get("date")
         self.outcome.bundle_bytes = len(data)
         self.outcome.cold_compile_s = bundle.manifest.get("cold_compile_s")
-        self.outcome.flops_record = bundle.manifest.get("flops_per_step")
+        self.outcome.flops_record = bundle.manifest.get("flops_record")
         return self.outcome
 
     def attach(self, applied: AppliedPolicy) -> None:
@@ -219,7 +219,7 @@ class CompileCache:
                 "regions": list(regions),
                 "cold_compile_s": cold,
                 "counts": counts,
-                "flops_per_step": flops_record or self.outcome.flops_record,
+                "flops_record": flops_record or self.outcome.flops_record,
             }
             data = encode(manifest, sections)
             self._store().write(self.name, data)
