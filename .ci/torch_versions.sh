@@ -6,7 +6,7 @@
 # this checkout).
 #
 #   bash .ci/torch_versions.sh            # install, then test
-#   bash .ci/torch_versions.sh install    # build the environments (.ci/run: in the background, during the suite)
+#   bash .ci/torch_versions.sh install    # build the environments, side by side
 #   bash .ci/torch_versions.sh test       # test in environments built before
 #   TORCH_VERSIONS="2.11.0" bash .ci/torch_versions.sh
 #
@@ -29,7 +29,7 @@ install() {
   local version=$1 venv=$2 started=$SECONDS
   rm -rf "$venv"
   python -m venv "$venv"
-  "$venv/bin/python" -m pip install -q "torch==$version"
+  "$venv/bin/python" -m pip install -q --no-compile "torch==$version"
   # the project's dependencies and dev extras, read from pyproject.toml (its own extra spelled out)
   "$venv/bin/python" - <<'EOF' > "$venv/requirements.txt"
 import tomllib
@@ -38,23 +38,34 @@ extras = project["optional-dependencies"]
 for requirement in project["dependencies"] + extras["dev"]:
     print("\n".join(extras["remote-cache"]) if requirement == "compile_trainer[remote-cache]" else requirement)
 EOF
-  "$venv/bin/python" -m pip install -q -r "$venv/requirements.txt"
+  "$venv/bin/python" -m pip install -q --no-compile -r "$venv/requirements.txt"
   echo "torch $version: installed in $((SECONDS - started)) s"
 }
 
+venv_of() { echo "$root/torch-${1//\*/x}"; }
+
 status=0
-for version in $versions; do
-  venv="$root/torch-${version//\*/x}"
-  if [[ $stage != test ]]; then
-    install "$version" "$venv"
-  fi
-  if [[ $stage != install ]]; then
+if [[ $stage != test ]]; then
+  # the versions side by side: mostly unpacking wheels, about a core each
+  installers=()
+  for version in $versions; do
+    install "$version" "$(venv_of "$version")" &
+    installers+=($!)
+  done
+  for installer in "${installers[@]}"; do
+    wait "$installer" || status=$?
+  done
+  [[ $status == 0 ]] || exit $status
+fi
+if [[ $stage != install ]]; then
+  for version in $versions; do
+    venv=$(venv_of "$version")
     started=$SECONDS
     echo "+ torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'): ${tests[*]}"
     rc=0
     "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${tests[@]}" || rc=$?
     echo "torch $version: tested in $((SECONDS - started)) s, pytest exit $rc"
     [[ $rc == 0 ]] || status=$rc
-  fi
-done
+  done
+fi
 exit $status
