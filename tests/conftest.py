@@ -39,8 +39,26 @@ LONG_FILES = (
 )  # fmt: skip
 
 
+# The GPU benchmarks' tests (their scripts' CPU smoke modes, and the harness they share): a tier of their own,
+# ``-m benchmarks``, which the README's library suite leaves out (``-m "not benchmarks"``) and CI runs after it.
+BENCHMARK_TESTS = ("test_benchmark_harness.py", "test_optimizer.py::test_benchmark_smoke_runs_without_config_packages")
+
+
+def is_benchmark_test(item: pytest.Item) -> bool:
+    name = item.path.name
+    return name.endswith("_benchmark.py") or name in BENCHMARK_TESTS or f"{name}::{item.name}" in BENCHMARK_TESTS
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "benchmarks: a test of a GPU benchmark script (its CPU smoke mode)")
+
+
 def pytest_collection_modifyitems(items):
-    """The long files first (``LONG_FILES``), the others after them in their own order."""
+    """The benchmarks' tests marked (``BENCHMARK_TESTS``); the long files first (``LONG_FILES``), the others after
+    them in their own order."""
+    for item in items:
+        if is_benchmark_test(item):
+            item.add_marker(pytest.mark.benchmarks)
     rank = {name: index for index, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
