@@ -1,4 +1,6 @@
+import fnmatch
 import os
+from typing import Optional
 
 # Under `pytest -n N` (README: -n 2 on two cores) the workers share the cores: one thread each, inherited by the
 # processes the tests start. Two workers with two OpenMP threads each spin against each other: a file run twice at
@@ -39,26 +41,38 @@ LONG_FILES = (
 )  # fmt: skip
 
 
-# The GPU benchmarks' tests (their scripts' CPU smoke modes, and the harness they share): a tier of their own,
-# ``-m benchmarks``, which the README's library suite leaves out (``-m "not benchmarks"``) and CI runs after it.
-BENCHMARK_TESTS = ("test_benchmark_harness.py", "test_optimizer.py::test_benchmark_smoke_runs_without_config_packages")
+# Two tiers of their own, which the README's library suite leaves out (``-m "not benchmarks and not distributed"``)
+# and CI runs after it (``-m "benchmarks or distributed"``): the GPU benchmark scripts' tests (their CPU smoke modes,
+# the harness they share) and the tests that start several processes over gloo (DDP, FSDP2). Together about half of
+# the whole suite's time on 2 cores, which took 709 s to 1,555 s there depending on the machine's load (2026-11-27).
+TIERS = {
+    "benchmarks": ("*_benchmark.py", "test_benchmark_harness.py",
+                   "test_optimizer.py::test_benchmark_smoke_runs_without_config_packages"),
+    "distributed": ("test_distributed.py", "test_distributed_cache.py", "test_distributed_telemetry.py",
+                    "test_fsdp2.py"),
+}  # fmt: skip
 
 
-def is_benchmark_test(item: pytest.Item) -> bool:
-    name = item.path.name
-    return name.endswith("_benchmark.py") or name in BENCHMARK_TESTS or f"{name}::{item.name}" in BENCHMARK_TESTS
+def tier_of(item: pytest.Item) -> Optional[str]:
+    names = (item.path.name, f"{item.path.name}::{item.name}")
+    for tier, patterns in TIERS.items():
+        if any(fnmatch.fnmatch(name, pattern) for name in names for pattern in patterns):
+            return tier
+    return None
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "benchmarks: a test of a GPU benchmark script (its CPU smoke mode)")
+    config.addinivalue_line("markers", "distributed: a test that starts several processes (DDP, FSDP2 over gloo)")
 
 
 def pytest_collection_modifyitems(items):
-    """The benchmarks' tests marked (``BENCHMARK_TESTS``); the long files first (``LONG_FILES``), the others after
-    them in their own order."""
+    """Each item of a tier marked (``TIERS``); the long files first (``LONG_FILES``), the others after them in their
+    own order."""
     for item in items:
-        if is_benchmark_test(item):
-            item.add_marker(pytest.mark.benchmarks)
+        tier = tier_of(item)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
     rank = {name: index for index, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
