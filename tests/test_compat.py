@@ -4,7 +4,10 @@ A torch upgrade that moves or changes one of them fails here first, with the ent
 
 import ast
 import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +178,33 @@ def test_the_compiler_warmup_starts_for_inductor_policies_on_a_gpu_only(monkeypa
     assert compat._compiler_keys_prefetched is False
     CompileCallback("regional")
     assert compat._compiler_keys_prefetched is torch.cuda.is_available()
+
+
+FORKED_WORKERS = """
+import os, sys
+from concurrent.futures import ProcessPoolExecutor
+from torch._inductor import config
+from torch._inductor.async_compile import AsyncCompile
+from compile_trainer import compat
+chose = compat.fork_compile_workers()
+pool = AsyncCompile.process_pool()
+print(chose, config.worker_start_method, type(pool).__name__, compat.fork_compile_workers())
+if isinstance(pool, ProcessPoolExecutor):
+    assert pool.submit(os.getppid).result(timeout=60) == os.getpid(), "a worker is this process's child"
+"""
+
+
+@pytest.mark.parametrize("chosen", [None, "subprocess"])
+def test_compile_workers_are_forked_unless_the_user_chose_a_start_method(chosen):
+    """``fork_compile_workers`` makes Inductor's pool fork its workers from this process (ready in under a second
+    on an H100 machine, against 10-23 s for a sidecar that imports torch first); a start method the user set in
+    ``TORCHINDUCTOR_WORKER_START``, or a pool that exists already, is left as it is."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_WORKER_START"}
+    env |= {"TORCHINDUCTOR_COMPILE_THREADS": "2"} | ({"TORCHINDUCTOR_WORKER_START": chosen} if chosen else {})
+    done = subprocess.run([sys.executable, "-c", FORKED_WORKERS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    chose, method, pool, again = done.stdout.split()
+    if chosen is None:
+        assert (chose, method, pool, again) == ("True", "fork", "TrackedProcessPoolExecutor", "False")
+    else:
+        assert (chose, method, pool, again) == ("False", "subprocess", "SubprocPool", "False")
