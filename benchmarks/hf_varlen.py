@@ -86,7 +86,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
 def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Dict[str, Any]:
     """The timed stream with what CompileCallback does around it (bucket choice and warm-up; eager steps until a
     background compile is installed), then the steady pass; the row."""
-    background = BackgroundCompile(applied) if policy is not None and policy.background else None
+    background = BackgroundCompile(applied) if applied is not None and applied.defers_compiles else None
     telemetry = CompileTelemetry(applied).install()  # its callbacks see every compile, lazy backwards included
     common.synchronize(device)
     started = time.perf_counter()

@@ -26,7 +26,7 @@ from torch._dynamo.utils import get_compilation_metrics
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, models  # noqa: E402
-from compile_trainer import apply_policy  # noqa: E402
+from compile_trainer import BackgroundCompile, apply_policy  # noqa: E402
 from compile_trainer.schema.load import bundled_policy_names  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
 
@@ -126,17 +126,21 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         notes.append(f"FLOPs not counted: {type(error).__name__}: {error}"[:300])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
     run, applied, mark_step, compile_notes = prepare(args.variant, model, args)  # compiles nothing yet: that is lazy
+    background = BackgroundCompile(applied) if applied is not None and applied.defers_compiles else None
     telemetry = CompileTelemetry(applied).install()  # attributes a policy's compiles to its regions
     train = common.training_step(optimizer, partial(loss_of, spec.family, run), device, applied, mark_step=mark_step)
     losses: List[torch.Tensor] = []
 
     def step(index: int) -> None:
+        if background is not None:
+            background.poll()
         loss = train(batches[index % len(batches)])
         if len(losses) < LOSSES_COMPARED:
             losses.append(loss.clone())  # a CUDA-graph output is overwritten by the next replay
 
     try:
-        times = common.first_warm_timed(device, step, args.warmup, args.steps)
+        compiling = lambda: background is not None and not background.installed  # noqa: E731
+        times = common.first_warm_timed(device, step, args.warmup, args.steps, compiling, max_eager=10**5)
         telemetry.collect()
         totals = telemetry.totals()
     finally:
@@ -154,6 +158,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         ],
         "recompile_reasons": common.recompile_reasons(limit=10),
         "first_losses": [float(loss) for loss in losses],
+        "background": background.summary() if background is not None else None,
         "items_per_s": items * args.steps / times["window_s"],
         "unit": spec.unit,
         "flops_per_step": flops,

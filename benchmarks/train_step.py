@@ -74,7 +74,7 @@ def prepare_raw(variant: str, model: GPT, backend: str):
         return model, None, None
     policy = to_policy(VARIANTS[variant][2], backend=backend)
     applied = apply_policy(nn.ModuleDict({"model": model}), policy)  # addressed as in a LightningModule
-    return model, applied, BackgroundCompile(applied) if policy.background else None
+    return model, applied, BackgroundCompile(applied) if applied.defers_compiles else None
 
 
 def run_raw(variant: str, args: argparse.Namespace, config: GPTConfig, device: torch.device) -> Dict[str, Any]:

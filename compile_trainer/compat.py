@@ -744,6 +744,16 @@ def fx_patcher() -> type:
     return _symbolic_trace._Patcher
 
 
+def fx_tracing_check() -> Tuple[Any, str]:
+    """(owner, name) of FX's ``is_fx_symbolic_tracing``, which reads one process-wide flag that FX's tracer (and
+    so AOTAutograd's, on a compile thread) sets while it traces. The function ``torch.compile`` returns checks it
+    before each call, and refuses to run ("FX to symbolically trace a dynamo-optimized function") while it is
+    true; it takes the function when ``torch.compile`` is called (checked 2.9.1, 2.13, 2.14.1)."""
+    from torch.fx import _symbolic_trace
+
+    return _symbolic_trace, "is_fx_symbolic_tracing"
+
+
 # torch.compiler._compile_session_context() holds torch.compiler._is_compiling_flag, which is_compiling() reads,
 # True for a whole Dynamo compile (convert_frame's compile_inner enters it; checked 2.13): one flag for the process,
 # so a compile on one thread makes is_compiling() true on every other. Dynamo folds the is_compiling() calls it
@@ -1197,6 +1207,33 @@ def _probe_compiled_call() -> None:
     assert user_compiled(module) is None and user_compiled(torch.compile(module)) == "torch.compile(module)"
 
 
+def _probe_fx_tracing_check() -> None:
+    """The check that the compiled function captures: with the flag set, one made under a blind check runs (and
+    compiles), one made under FX's own refuses."""
+    owner, name = fx_tracing_check()
+    original = getattr(owner, name)
+    try:
+        setattr(owner, name, lambda: False)
+        blind = torch.compile(lambda x: x + 1, backend="eager")
+    finally:
+        setattr(owner, name, original)
+    plain = torch.compile(lambda x: x + 2, backend="eager")
+    flag = "_is_fx_tracing_flag"
+    previous = getattr(owner, flag)
+    setattr(owner, flag, True)
+    try:
+        assert original(), "the flag is what the check reads"
+        assert torch.equal(blind(torch.ones(1)), torch.full((1,), 2.0))
+        try:
+            plain(torch.ones(1))
+            refused = False
+        except RuntimeError as error:
+            refused = "symbolically trace" in str(error)
+        assert refused, "a compiled function refuses to run while FX traces"
+    finally:
+        setattr(owner, flag, previous)
+
+
 def _probe_fx_patcher() -> None:
     """FX's tracer patches ``nn.Module.__call__`` through ``_Patcher.patch_method(cls, name, new_fn, ...)``."""
     patcher = fx_patcher()
@@ -1479,6 +1516,7 @@ ENTRIES = [
     Entry("mark_static_address", _probe_mark_static_address),
     Entry("compiled_call", _probe_compiled_call),
     Entry("fx_patcher", _probe_fx_patcher),
+    Entry("fx_tracing_check", _probe_fx_tracing_check),
     Entry("compile_session_owner", _probe_compile_session),
     Entry("import_cudagraph_trees", _probe_cudagraph_trees),
     Entry("warm_compile_workers", _probe_warm_compile_workers),

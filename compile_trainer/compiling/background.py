@@ -143,7 +143,9 @@ class RecordedCall:
 
 
 class BackgroundCompile:
-    """Defers ``applied``'s compiled regions: eager steps until a background thread has compiled them.
+    """Defers ``applied``'s compiled regions: they run eagerly until a background thread has compiled them. Under
+    ``rest: background`` (and not ``background: true``) only the parts around the blocks are deferred; the blocks
+    compile in place at their first call, as usual.
 
     Each region's first training call (grad on) is recorded; evaluation graphs compile at their first call
     after the switch, as usual (compiling them on the thread too made the training graph wait for them:
@@ -159,6 +161,7 @@ class BackgroundCompile:
         if problem:
             raise RuntimeError(f"background compile {problem}")
         self.applied = applied
+        self.defers_every_region = applied.policy.background or not any(i.region.background for i in applied.compiled)
         self.lowerings = compat.SubprocessLowerings()
         # entry name -> its first training call; blocks of one class share an entry, and one graph
         self.recorded: Dict[str, Tuple[CompiledRegion, RecordedCall]] = {}
@@ -275,15 +278,18 @@ class BackgroundCompile:
 
 
 class _RecordAndRunEagerly:
-    """The background compile's interceptor: records each entry's first training call, runs regions eagerly."""
+    """The background compile's interceptor: records each deferred entry's first training call, runs deferred
+    regions eagerly; the others run compiled."""
 
     position = BACKGROUND
-    replaces_compiled = True
 
     def __init__(self, background: BackgroundCompile):
         self.background = background
+        self.replaces_compiled = background.defers_every_region  # else the blocks run compiled meanwhile
 
     def __call__(self, item: CompiledRegion, proceed: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if not (self.background.defers_every_region or item.region.background):
+            return proceed(*args, **kwargs)
         module, background = item.region.module, self.background
         training = module.training and torch.is_grad_enabled()
         if background.state == "recording" and training and item.entry_name not in background.recorded:

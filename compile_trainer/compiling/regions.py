@@ -40,7 +40,8 @@ from compile_trainer.compiling.block_values import (
 )
 from compile_trainer.compiling.promoted_inputs import PromotedInputs
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
-from compile_trainer.compiling.runtime_checks import check_policy_runtime
+from compile_trainer.compiling.runtime_checks import background_compile_problem, check_policy_runtime
+from compile_trainer.compiling.thread_guards import blind_to_guarded_tracing
 from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.planning.selection import CompilePlan, Region, resolve_plan
 from compile_trainer.planning.structure import structure_key
@@ -82,7 +83,8 @@ class CompiledRegion:
         kwargs["backend"] = RegionBackend(*backend)
         if self.guard_filter is not None and entry is None:  # torch.compile takes it out of the options
             kwargs["options"] = {"guard_filter_fn": self.guard_filter}
-        return torch.compile(types.MethodType(entry or self.entry, module), **kwargs)
+        with blind_to_guarded_tracing():  # blocks run compiled while a thread compiles the rest (rest: background)
+            return torch.compile(types.MethodType(entry or self.entry, module), **kwargs)
 
     def route(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Callable[..., Any]]:
         """What a call runs instead of the shared entry: for a call passing a KV cache to a block whose index
@@ -142,6 +144,12 @@ class AppliedPolicy:
         if self.uses_cuda_graphs and not self.interceptors.replaces_compiled:
             torch.compiler.cudagraph_mark_step_begin()
 
+    @property
+    def defers_compiles(self) -> bool:
+        """Whether regions wait for a background compile (``compiling.background``): every region
+        (``background: true``), or the parts of a regional rule's rest (``rest: background``)."""
+        return self.policy.enabled and (self.policy.background or any(i.region.background for i in self.compiled))
+
     def compile_in_foreground(self, reason: str) -> None:
         """A background policy's regions compile at their first call, as without ``background``; the plan
         table says so, with ``reason``."""
@@ -164,7 +172,7 @@ class AppliedPolicy:
                 _row(
                     region.name,
                     region.module,
-                    ROLE_ACTIONS[region.role],
+                    ROLE_ACTIONS[region.role] + (" (background)" if region.background else ""),
                     region.rule_index,
                     settings,
                     shared[item.entry_name],
@@ -354,6 +362,13 @@ def _mark_nested_blocks(applied: AppliedPolicy, root: nn.Module, region: Region)
         cls.forward = torch.compiler.nested_compile_region(cls.forward)
 
 
+def _may_compile_rest_in_background(policy: CompilePolicy, device: torch.device) -> bool:
+    """Whether ``rest: auto`` may resolve to ``background``: on a GPU (on a CPU the thread would take cores from
+    training), where nothing else decides when compiles happen (a compile cache, bucket warm-up, ``background``)."""
+    others = policy.background or policy.cache.active or policy.shapes.warmup
+    return device.type == "cuda" and not others and background_compile_problem(policy.background_lowering) is None
+
+
 def model_device(module: nn.Module) -> torch.device:
     tensor = next(module.parameters(), None)
     if tensor is None:
@@ -429,8 +444,9 @@ def apply_policy(root: nn.Module, policy: CompilePolicy, device: Optional[torch.
     start_compiler_warmup(policy)
     if policy.compiles_modules:
         _refuse_user_compiled(root)
-    plan = resolve_plan(root, policy, trial=_trial_trace_dropping_once_warnings)
     device = device or model_device(root)
+    background_rest = _may_compile_rest_in_background(policy, device)
+    plan = resolve_plan(root, policy, _trial_trace_dropping_once_warnings, background_rest)
     applied = AppliedPolicy(policy=policy, plan=plan, root=root, notes=list(plan.notes))
     if not policy.enabled:
         setattr(root, APPLIED_ATTR, applied)
@@ -555,12 +571,19 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     lines = [header, *text_table(titles, [[str(row[c]) for c in columns] for row in rows])]
     groups = applied.shared_counts()
     lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
-    if applied.policy.background and applied.foreground_reason is not None:
-        lines.append(f"background: true, compiled in the foreground: {applied.foreground_reason}")
+    lowering = ""
+    if applied.background_lowering == "subprocess":
+        lowering = ", Inductor's lowering in its compile subprocess (background_lowering: subprocess)"
+    deferred = [item.region.name for item in applied.compiled if item.region.background]
+    setting = "background: true" if applied.policy.background else "rest: background"
+    if applied.defers_compiles and applied.foreground_reason is not None:
+        lines.append(f"{setting}, compiled in the foreground: {applied.foreground_reason}")
     elif applied.policy.background:
-        lowering = ""
-        if applied.background_lowering == "subprocess":
-            lowering = ", Inductor's lowering in its compile subprocess (background_lowering: subprocess)"
         lines.append(f"compiled on a background thread while the first steps run eagerly (background: true){lowering}")
+    elif deferred:
+        lines.append(
+            f"{', '.join(deferred)}: compiled on a background thread after the first step, eager until then "
+            f"(rest: background){lowering}"
+        )
     lines += [f"note: {note}" for note in applied.notes]
     return "\n".join(lines)

@@ -55,10 +55,12 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
     for index, rule in enumerate(policy.rules):
         check_backend(f"{where}, rule {index} {rule.describe()}", rule.backend)
     check_backend(f"{where}, optimizer", policy.optimizer.backend)
-    if policy.background and policy.compiles_modules:
+    deferring = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "background"]
+    if (policy.background or deferring) and policy.compiles_modules:
         problem = background_compile_problem(policy.background_lowering)
         if problem:
-            raise PolicyError(f"{where}: background: true {problem}.")
+            setting = "background: true" if policy.background else f"rule {deferring[0]}: rest: background"
+            raise PolicyError(f"{where}: {setting} {problem}.")
     nested = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "nested"]
     if nested and policy.enabled and not compat.has_nested_compile_region():
         problem = compat.needs_torch("rest: nested (torch.compiler.nested_compile_region)", (2, 8))

@@ -9,12 +9,17 @@ The compilers change process-wide state while they work, as if nothing else ran 
   pattern-matching rules so, for one). A module called on another thread meanwhile goes through the tracer:
   "module is not installed as a submodule" killed a training step beside a background compile of GPT-2 small
   on an H100.
+- FX's tracer (AOTAutograd's, too) sets one process-wide flag while it traces, and a function ``torch.compile``
+  returned refuses to run while it is set ("FX to symbolically trace a dynamo-optimized function"): a block
+  compiled in place, called on the training thread while a thread compiles the parts around it
+  (``rest: background``), failed so. ``blind_to_guarded_tracing()`` wraps the regions' ``torch.compile`` calls
+  so that their functions skip that check while a guarded thread runs.
 - Dynamo holds ``torch.compiler.is_compiling()``'s flag true for a whole compile (torch 2.13), for every thread:
   eager code on the training thread then takes its compiled-code branches meanwhile. Collectives refuse to run
   (``self.all_gather(..., sync_grads=True)`` under DDP: "torch.distributed.nn.functional.all_gather is not
   supported under torch.compile"), and ``torch.optim`` takes its compiled-code paths.
 
-Inside ``guarded_thread()`` all three are confined to the thread: its random-number restores do nothing (a thread
+Inside ``guarded_thread()`` all four are confined to the thread: its random-number restores do nothing (a thread
 that compiles without running has drawn nothing to undo), FX's method patches made on it apply to it alone, and
 its compiles leave the compiling flag alone. The code Dynamo traces on it is unchanged (Dynamo folds the
 ``is_compiling()`` calls it traces to True without reading the flag); code that the compilers run outside the
@@ -86,6 +91,28 @@ REPLACEMENTS: Dict[Tuple[Any, str], Callable[[Callable[..., Any]], Callable[...,
 }
 if compat.compile_session_owner() is not None:
     REPLACEMENTS[compat.compile_session_owner()] = _compiling_flag_left_alone_on_guarded_threads
+
+
+def _fx_tracing_unless_a_guarded_thread_runs(original: Callable[[], bool]) -> Callable[[], bool]:
+    @functools.wraps(original)
+    def fx_tracing_here() -> bool:
+        # Not thread-aware in general: one flag for the process, and nobody knows which thread set it. While a
+        # guarded thread runs, it is the compile's; nothing FX-traces the regions on the training thread.
+        return not _guarded and original()
+
+    return fx_tracing_here
+
+
+@contextlib.contextmanager
+def blind_to_guarded_tracing() -> Iterator[None]:
+    """Around ``torch.compile(...)``: the function it returns does not see a guarded thread's FX tracing."""
+    owner, name = compat.fx_tracing_check()
+    original = getattr(owner, name)
+    setattr(owner, name, _fx_tracing_unless_a_guarded_thread_runs(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
 
 
 @contextlib.contextmanager

@@ -110,7 +110,7 @@ class CompileCallback(pl.Callback):
             self.applied.applied_by = "CompileCallback"
         if self.cache is not None:
             self.cache.attach(self.applied)
-        if self.policy.background and self.policy.enabled:
+        if self.applied.defers_compiles:
             if compiles_in_background(self.strategy):
                 self.background = BackgroundCompile(self.applied)
             else:

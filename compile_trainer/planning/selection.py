@@ -43,6 +43,8 @@ class Region:
     # the key; the first compile watches the rest (``compiling.block_values.SharedValues``).
     shared_floats: List[str] = field(default_factory=list)
     indices: List[str] = field(default_factory=list)
+    # For a "rest" region: compiled on a background thread after the first step, eager until then (rest: background)
+    background: bool = False
 
     @property
     def class_name(self) -> str:
@@ -60,6 +62,8 @@ class CompilePlan:
     # module whose training forwards run without a KV cache (``use_cache=False`` unless asked) -> the decoder
     # class whose config builds one (``planning.structure.cache_builder``)
     training_without_cache: Dict[str, str] = field(default_factory=dict)
+    # Whether ``rest: auto`` may compile light parts in the background (``resolve_plan``'s ``background_rest``).
+    background_rest: bool = False
 
     def region_names(self) -> List[str]:
         return [region.name for region in self.regions]
@@ -206,10 +210,11 @@ def _listed(names: List[str], shown: int = 3) -> str:
 
 
 def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tuple[str, nn.Module]]:
-    """The largest subtrees under ``module`` that hold no block container."""
+    """The largest subtrees under ``module`` that hold no block container and are called (a ``ModuleList`` or
+    ``ModuleDict`` has no forward: its owner calls its children, which are the roots; HF ConvNeXt's downsampling)."""
     if name in containers:
         return []
-    if not any(_is_inside(c, name) for c in containers):
+    if not any(_is_inside(c, name) for c in containers) and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         return [(name, module)]
     roots: List[Tuple[str, nn.Module]] = []
     for child_name, child in module.named_children():
@@ -270,10 +275,10 @@ def _expand_rule(
         block.shared_floats = list(structure.shared_floats.get(key, []))
         block.indices = list(structure.indices.get(key, []))
         items.append((b, block))
-    if rest in ("compile", "outer"):
+    if rest in ("compile", "background", "outer"):
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
         for root_name, root in roots:
-            items += _rest_regions(root_name, root, containers, settings, index, plan)
+            items += _rest_regions(root_name, root, containers, settings, index, plan, rest == "background")
     return items
 
 
@@ -300,7 +305,10 @@ def _auto_rest(
     (embeddings, head, a loss on large logits) to be worth compiling whole, else ``eager``: compiling light code
     around the blocks costs graphs (the outer road: a prefix and a resume graph per Python frame down to the break;
     ``compile``: one per part) that its speed-up does not repay (ViT-B/16 on an H100: first step 0.42 of the full
-    compile's with it eager, 0.48-0.59 compiled; throughput 0.967-0.986).
+    compile's with it eager, 0.48-0.59 compiled; throughput 0.967-0.986). Where ``plan.background_rest``, those
+    light parts are compiled as their own regions on a background thread instead (``background``): the first step
+    still compiles only the blocks, and the steps after the install run the parts compiled (ConvNeXt-T on an H100:
+    its eager LayerNorms and layout copies cost 1.5-2 ms of a 19 ms step).
 
     ``compile`` where all of that lies in the module that runs eagerly around the blocks (the break), whose parts
     are regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer graphs
@@ -312,11 +320,18 @@ def _auto_rest(
         f"{name} ({type(module).__name__}): {share:.1%} of its parameters and buffers outside its {len(blocks)} blocks"
     )
     knob = f"regional_outer_min_share {min_share * 100:g}%"
+    if share < min_share and plan.background_rest:
+        plan.notes.append(
+            f"{measured} (< {knob}): its parts with weights compiled as their own regions on a background thread "
+            "after the first step, which compiles only the blocks; eager until then (rest: background)"
+        )
+        return "background"
     if share < min_share:
         plan.notes.append(
             f"{measured} (< {knob}): the code around them left eager, which compiles fewer graphs (rest: eager); "
             "rest: compile compiles each part with weights as its own region, rest: outer the code around the "
-            "blocks whole"
+            "blocks whole; on a GPU, with no compile cache or shapes.warmup, they compile in the background "
+            "(rest: background)"
         )
         return "eager"
     if breaks and not _holds_state_around(modules, [*block_names, *breaks]):
@@ -352,11 +367,13 @@ def _element_count(modules: List[nn.Module]) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
-def _rest_regions(name: str, module: nn.Module, containers: List[str], settings, index: int, plan: CompilePlan):
+def _rest_regions(
+    name: str, module: nn.Module, containers: List[str], settings, index: int, plan: CompilePlan, background: bool
+):
     items = []
     for rest_name, rest_module in _rest_roots(name, module, containers):
         if _has_state(rest_module):
-            items.append((rest_name, Region(rest_name, rest_module, settings, index, "rest")))
+            items.append((rest_name, Region(rest_name, rest_module, settings, index, "rest", background=background)))
         else:
             plan.notes.append(f"{rest_name} ({type(rest_module).__name__}) has no parameters: left eager")
     return items
@@ -391,7 +408,9 @@ def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def resolve_plan(root: nn.Module, policy: CompilePolicy, trial: Optional[Trial] = None) -> CompilePlan:
+def resolve_plan(
+    root: nn.Module, policy: CompilePolicy, trial: Optional[Trial] = None, background_rest: bool = False
+) -> CompilePlan:
     """Resolve ``policy``'s rules, in order, against ``root``'s submodules.
 
     A later rule replaces what earlier rules decided for the modules it selects and their
@@ -399,8 +418,10 @@ def resolve_plan(root: nn.Module, policy: CompilePolicy, trial: Optional[Trial] 
     compiled at most once: a region inside another region is an error. ``trial`` (``apply_policy`` passes
     ``compiling.block_values.trial_trace``) traces one block of a group whose blocks differ in per-block values,
     so that a value the compiler specializes splits the group here; without it nothing is traced.
+    ``background_rest``: ``rest: auto`` resolves to ``background`` where it would leave light parts eager
+    (``apply_policy`` sets it on a GPU, where nothing else decides when compiles happen).
     """
-    plan = CompilePlan()
+    plan = CompilePlan(background_rest=background_rest)
     if not policy.enabled:
         return plan
     modules = dict(root.named_modules())

@@ -18,7 +18,7 @@ from compile_trainer.schema.settings import CompileSettings, SettingsOverrides, 
 from compile_trainer.schema.shapes import ShapesPolicy
 
 ACTIONS = ("full", "regional", "eager")
-REST_ACTIONS = ("eager", "compile", "outer", "nested", "auto")
+REST_ACTIONS = ("eager", "compile", "background", "outer", "nested", "auto")
 BACKGROUND_LOWERINGS = ("subprocess", "thread")
 OPTIMIZER_COMPILE = ("true", "false", "auto")
 OPTIMIZER_KERNELS = ("auto", "triton", "inductor")
@@ -46,8 +46,11 @@ class Rule(SettingsOverrides):
     # parts as regions (``compile`` where the module loops over its blocks itself); leave them ``eager``;
     # or ``nested``: compile the module whole, with each repeated block marked as a nested compile region
     # (``torch.compiler.nested_compile_region``) so that it is traced and compiled once and reused.
+    # ``background``: the parts of ``compile``, compiled on a background thread after the first step (which
+    # compiles only the blocks) while they run eagerly (``compiling.background``).
     # ``auto``: ``outer`` where the module's parameters and buffers outside its blocks are at least
-    # ``CompilePolicy.regional_outer_min_share`` of its own, else ``eager``.
+    # ``CompilePolicy.regional_outer_min_share`` of its own, else ``background`` on a GPU where nothing else
+    # decides when compiles happen (no compile cache, no shapes.warmup), else ``eager``.
     rest: str = "eager"
 
     def describe(self) -> str:

@@ -67,7 +67,24 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         raise PolicyError(f"{where}: {problem}.")
     if policy.background:
         _check_background(where, policy)
+    _check_background_rest(where, policy)
     return policy
+
+
+def _check_background_rest(where: str, policy: CompilePolicy) -> None:
+    deferring = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "background"]
+    if not deferring or not policy.enabled:
+        return
+    clashes = [
+        (policy.shapes.warmup, "shapes.warmup: true", "the warm-up decides when compiles happen"),
+        (policy.cache.active, "a compile cache (cache.dir)", "the cache does not capture what a thread compiles"),
+    ]
+    for clash, setting, why in clashes:
+        if clash:
+            raise PolicyError(
+                f"{where}, rule {deferring[0]}: rest: background and {setting} do not go together ({why}); use "
+                "rest: compile (compiled at the first step) or rest: eager."
+            )
 
 
 def _check_background(where: str, policy: CompilePolicy) -> None:

@@ -1,0 +1,103 @@
+"""``rest: background``: the blocks compile in place at the first step; the parts around them (a ConvNeXt's stem,
+downsampling layers, final norm and head) run eagerly until a background thread has compiled them. ``rest: auto``
+(the bundled ``regional``'s) takes it on a GPU where it would otherwise leave those light parts eager."""
+
+import threading
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.callback import callback_handler
+
+from compile_trainer import BackgroundCompile, CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
+from compile_trainer.planning.selection import resolve_plan
+from tests.user_models import FAMILIES, UserData, UserModule, tiny_convnext
+
+DOWNSAMPLING = [f"model.convnext.encoder.stages.{i}.downsampling_layer.{j}" for i in (1, 2, 3) for j in (0, 1)]
+REST = ["model.convnext.embeddings", *DOWNSAMPLING, "model.convnext.layernorm", "model.classifier"]
+
+
+def rest_background(**settings):
+    rule = {"name": "*", "action": "regional", "rest": "background"}
+    return to_policy("regional", **({"backend": "aot_eager", "rules": [rule]} | settings))
+
+
+def test_auto_takes_background_for_light_parts_where_allowed_and_eager_elsewhere():
+    root = nn.ModuleDict({"model": tiny_convnext()})
+    deferred = resolve_plan(root, to_policy("regional"), background_rest=True)
+    rest = {r.name for r in deferred.regions if r.role == "rest"}
+    assert rest == set(REST) and all(r.background for r in deferred.regions if r.role == "rest")
+    assert not any(r.background for r in deferred.regions if r.role == "block")
+    assert "eager until then (rest: background)" in "\n".join(deferred.notes)
+    eager = resolve_plan(root, to_policy("regional"))  # what apply_policy asks for on a CPU
+    assert not [r for r in eager.regions if r.role == "rest"], "the light parts left eager"
+    assert "they compile in the background (rest: background)" in "\n".join(eager.notes)
+    applied = apply_policy(nn.ModuleDict({"model": tiny_convnext()}), to_policy("regional", backend="aot_eager"))
+    assert not applied.defers_compiles, "on a CPU the thread would take cores from training: rest: eager"
+    applied.remove()
+
+
+def test_the_blocks_compile_at_the_first_step_and_the_rest_on_a_thread_with_eager_losses():
+    torch.manual_seed(0)
+    reference = tiny_convnext()
+    model = tiny_convnext()
+    model.load_state_dict(reference.state_dict())
+    batches = FAMILIES["convnext"](1)
+
+    def train(net, background=None, wait_at=None):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        losses = []
+        for step in range(6):
+            if step == wait_at:
+                background.wait()  # deterministic for the test: the rest eager in steps 0-1, compiled from 2
+            if background is not None:
+                background.poll()
+            loss = net(**batches[step % len(batches)]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    expected = train(reference)
+    applied = apply_policy(nn.ModuleDict({"model": model}), rest_background())
+    table = format_plan_table(applied)
+    assert "regional rest (background)" in table and "compiled on a background thread after the first step" in table
+    background = BackgroundCompile(applied)
+    threads = []
+    callback_handler.register_start_callback(lambda *args: threads.append(threading.current_thread().name))
+    try:
+        losses = train(model, background, wait_at=2)
+    finally:
+        callback_handler.clear()
+    assert losses == pytest.approx(expected, rel=1e-4)
+    assert background.installed and background.eager_steps == 2
+    calls = {item.region.name: item.calls for item in applied.compiled}
+    assert {name: calls[name] for name in REST} == dict.fromkeys(REST, 4), "the rest compiled from step 2 on"
+    assert {calls[i.region.name] for i in applied.compiled if i.region.role == "block"} == {6}, "blocks from step 0"
+    assert len(background.recorded) == len(REST), "only the rest's entries were recorded"
+    assert "compile_trainer-background" in threads and threading.main_thread().name in threads
+    applied.remove()
+
+
+def test_a_lightning_fit_with_rest_background_runs_each_training_step_once():
+    pl.seed_everything(0)
+    module = UserModule("convnext")
+    callback = CompileCallback(rest_background())
+    trainer = pl.Trainer(
+        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=UserData("convnext"))
+    assert len(module.losses) == 4 == trainer.global_step
+    summary = callback.summary()
+    assert callback.background.installed and summary["background_eager_steps"] >= 1
+    assert summary["unique_graphs"] == 4 + len(REST), "one graph per block structure, one per part of the rest"
+    assert summary["recompiles"] == 0 and summary["eager_fallbacks"] == 0, "waiting for the thread is no fallback"
+
+
+@pytest.mark.parametrize("settings", [{"shapes": {"warmup": True}}, {"cache": {"dir": "/tmp/cache"}}])
+def test_rest_background_is_refused_beside_what_decides_when_compiles_happen(settings):
+    with pytest.raises(PolicyError, match="rest: background and .* do not go together .* use rest: compile"):
+        rest_background(**settings)
