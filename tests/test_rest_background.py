@@ -12,6 +12,7 @@ from torch._dynamo.callback import callback_handler
 
 from compile_trainer import BackgroundCompile, CompileCallback, PolicyError, apply_policy, format_plan_table, to_policy
 from compile_trainer.planning.selection import resolve_plan
+from tests.test_background import WaitForBackground
 from tests.user_models import FAMILIES, UserData, UserModule, tiny_convnext
 
 DOWNSAMPLING = [f"model.convnext.encoder.stages.{i}.downsampling_layer.{j}" for i in (1, 2, 3) for j in (0, 1)]
@@ -86,13 +87,14 @@ def test_a_lightning_fit_with_rest_background_runs_each_training_step_once():
     module = UserModule("convnext")
     callback = CompileCallback(rest_background())
     trainer = pl.Trainer(
-        max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=[callback],
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, callbacks=[callback, WaitForBackground(callback, 2)],
     )  # fmt: skip
     trainer.fit(module, datamodule=UserData("convnext"))
-    assert len(module.losses) == 4 == trainer.global_step
+    assert len(module.losses) == 6 == trainer.global_step
     summary = callback.summary()
-    assert callback.background.installed and summary["background_eager_steps"] >= 1
+    assert callback.background.installed and summary["background_eager_steps"] == 2
+    assert summary["steady_steps"] >= 2 and summary["steady_items_per_s"] > 0, "steps with compiled blocks count"
     assert summary["unique_graphs"] == 4 + len(REST), "one graph per block structure, one per part of the rest"
     assert summary["recompiles"] == 0 and summary["eager_fallbacks"] == 0, "waiting for the thread is no fallback"
 

@@ -221,7 +221,10 @@ class CompileCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.telemetry is not None:
-            compiling = self.background is not None and not self.background.installed
+            # Steps that run every region eagerly for a background compile are not steady state; under
+            # rest: background their blocks run compiled: steady unless a compile landed in them
+            background = self.background
+            compiling = background is not None and not background.installed and background.defers_every_region
             loaded = self.cache is not None and self.cache.precompiled_loads != self._loads_at_step_start
             self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling, loaded_compiled_code=loaded)
         if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
