@@ -94,7 +94,7 @@ def test_a_lightning_fit_with_rest_background_runs_each_training_step_once():
     assert len(module.losses) == 6 == trainer.global_step
     summary = callback.summary()
     assert callback.background.installed and summary["background_eager_steps"] == 2
-    assert summary["steady_steps"] >= 2 and summary["steady_items_per_s"] > 0, "steps with compiled blocks count"
+    assert summary["steady_steps"] >= 2 and summary["steady_samples_per_s"] > 0, "steps with compiled blocks count"
     assert summary["unique_graphs"] == 4 + len(REST), "one graph per block structure, one per part of the rest"
     assert summary["recompiles"] == 0 and summary["eager_fallbacks"] == 0, "waiting for the thread is no fallback"
 
