@@ -744,14 +744,27 @@ def fx_patcher() -> type:
     return _symbolic_trace._Patcher
 
 
-def fx_tracing_check() -> Tuple[Any, str]:
-    """(owner, name) of FX's ``is_fx_symbolic_tracing``, which reads one process-wide flag that FX's tracer (and
-    so AOTAutograd's, on a compile thread) sets while it traces. The function ``torch.compile`` returns checks it
-    before each call, and refuses to run ("FX to symbolically trace a dynamo-optimized function") while it is
-    true; it takes the function when ``torch.compile`` is called (checked 2.9.1, 2.13, 2.14.1)."""
+def fx_tracing_check() -> Optional[Tuple[Any, str]]:
+    """(owner, name) of FX's ``is_fx_symbolic_tracing`` where it reads one process-wide flag that FX's tracer (and
+    so AOTAutograd's, on a compile thread) sets while it traces (through 2.13); None where the flag is per thread
+    (2.14). The function ``torch.compile`` returns checks it before each call, and refuses to run ("FX to
+    symbolically trace a dynamo-optimized function") while it is true; it takes the function when
+    ``torch.compile`` is called (checked 2.9.1, 2.13, 2.14.1)."""
     from torch.fx import _symbolic_trace
 
-    return _symbolic_trace, "is_fx_symbolic_tracing"
+    return None if hasattr(_symbolic_trace, "_is_fx_tracing_tls") else (_symbolic_trace, "is_fx_symbolic_tracing")
+
+
+def _set_fx_tracing_flag(value: bool) -> bool:
+    """Set FX's tracing flag (this thread's from 2.14); returns the value it had."""
+    from torch.fx import _symbolic_trace
+
+    if hasattr(_symbolic_trace, "_is_fx_tracing_tls"):
+        previous = _symbolic_trace._get_is_fx_tracing()
+        _symbolic_trace._set_is_fx_tracing(value)
+        return previous
+    previous, _symbolic_trace._is_fx_tracing_flag = _symbolic_trace._is_fx_tracing_flag, value
+    return previous
 
 
 # torch.compiler._compile_session_context() holds torch.compiler._is_compiling_flag, which is_compiling() reads,
@@ -1209,21 +1222,33 @@ def _probe_compiled_call() -> None:
 
 def _probe_fx_tracing_check() -> None:
     """The check that the compiled function captures: with the flag set, one made under a blind check runs (and
-    compiles), one made under FX's own refuses."""
-    owner, name = fx_tracing_check()
-    original = getattr(owner, name)
-    try:
-        setattr(owner, name, lambda: False)
-        blind = torch.compile(lambda x: x + 1, backend="eager")
-    finally:
-        setattr(owner, name, original)
+    compiles), one made under FX's own refuses; where the flag is per thread, another thread's does not count."""
+    from torch.fx import _symbolic_trace
+
+    check = fx_tracing_check()
+    blind = None
+    if check is not None:
+        owner, name = check
+        original = getattr(owner, name)
+        try:
+            setattr(owner, name, lambda: False)
+            blind = torch.compile(lambda x: x + 1, backend="eager")
+        finally:
+            setattr(owner, name, original)
+    else:
+        seen: List[bool] = []
+        other = threading.Thread(
+            target=lambda: (_set_fx_tracing_flag(True), seen.append(_symbolic_trace.is_fx_tracing()))
+        )
+        other.start()
+        other.join()
+        assert seen == [True] and not _symbolic_trace.is_fx_tracing(), "another thread's flag is its own"
     plain = torch.compile(lambda x: x + 2, backend="eager")
-    flag = "_is_fx_tracing_flag"
-    previous = getattr(owner, flag)
-    setattr(owner, flag, True)
+    previous = _set_fx_tracing_flag(True)
     try:
-        assert original(), "the flag is what the check reads"
-        assert torch.equal(blind(torch.ones(1)), torch.full((1,), 2.0))
+        assert _symbolic_trace.is_fx_symbolic_tracing(), "the flag is what the check reads"
+        if blind is not None:
+            assert torch.equal(blind(torch.ones(1)), torch.full((1,), 2.0))
         try:
             plain(torch.ones(1))
             refused = False
@@ -1231,7 +1256,7 @@ def _probe_fx_tracing_check() -> None:
             refused = "symbolically trace" in str(error)
         assert refused, "a compiled function refuses to run while FX traces"
     finally:
-        setattr(owner, flag, previous)
+        _set_fx_tracing_flag(previous)
 
 
 def _probe_fx_patcher() -> None:

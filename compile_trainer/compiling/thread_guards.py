@@ -105,8 +105,13 @@ def _fx_tracing_unless_a_guarded_thread_runs(original: Callable[[], bool]) -> Ca
 
 @contextlib.contextmanager
 def blind_to_guarded_tracing() -> Iterator[None]:
-    """Around ``torch.compile(...)``: the function it returns does not see a guarded thread's FX tracing."""
-    owner, name = compat.fx_tracing_check()
+    """Around ``torch.compile(...)``: the function it returns does not see a guarded thread's FX tracing (nothing to
+    do where the flag is per thread)."""
+    check = compat.fx_tracing_check()
+    if check is None:
+        yield
+        return
+    owner, name = check
     original = getattr(owner, name)
     setattr(owner, name, _fx_tracing_unless_a_guarded_thread_runs(original))
     try:
