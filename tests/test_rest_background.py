@@ -123,3 +123,32 @@ def test_a_lightning_fit_with_rest_background_runs_each_training_step_once():
 def test_rest_background_is_refused_beside_what_decides_when_compiles_happen(settings):
     with pytest.raises(PolicyError, match="rest: background and .* do not go together .* use rest: compile"):
         rest_background(**settings)
+
+
+def test_validation_and_checkpoints_under_rest_background_match_eager_training(tmp_path):
+    """Validation runs while the thread compiles (the parts run eagerly in eval mode until the install), losses match
+    eager training's, and the checkpoint's keys are the plain model's and load into it."""
+
+    def fit(callbacks, directory):
+        pl.seed_everything(0)
+        module = UserModule("convnext")
+        trainer = pl.Trainer(
+            max_steps=6, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=1, default_root_dir=directory,
+            callbacks=callbacks,
+        )  # fmt: skip
+        trainer.fit(module, datamodule=UserData("convnext"))
+        return module, trainer
+
+    eager, _ = fit([], tmp_path / "eager")
+    made = []
+    if refused_where_unsupported(lambda: made.append(CompileCallback(rest_background(), print_plan=False))):
+        return
+    module, trainer = fit([made[0]], tmp_path / "compiled")
+    assert made[0].background.installed
+    assert torch.stack(module.losses).tolist() == pytest.approx(torch.stack(eager.losses).tolist(), rel=1e-4)
+    checkpoint = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=False)
+    assert list(checkpoint["state_dict"]) == list(eager.state_dict()), "no _orig_mod. or other renamed keys"
+    fresh = UserModule("convnext")
+    fresh.load_state_dict(checkpoint["state_dict"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), module.state_dict().values()))
