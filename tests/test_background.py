@@ -301,3 +301,34 @@ def test_the_background_compile_logs_numbers_only_to_lightning_loggers():
     assert seen.metrics and all(isinstance(v, (int, float)) for v in seen.metrics.values()), seen.metrics
     assert seen.metrics["compile/background_graphs_lowered_on_thread"] == 0
     assert "compile/background_lowering" not in seen.metrics and "background_lowering" in background.summary()
+
+
+def test_a_compile_stopped_at_the_end_of_training_leaves_the_other_regions_to_their_first_call(tiny_gpt):
+    """``close(finish=False)`` (``CompileCallback`` at the end of a fit the compile outlasted): the thread finishes
+    the region it is compiling and compiles no other; those compile at their first call, with the same losses."""
+    reference = copy.deepcopy(tiny_gpt)
+    expected = train(reference, 4)
+    applied = apply_policy(Wrapper(tiny_gpt), to_policy("regional_split", backend="aot_eager", background=True))
+    background = BackgroundCompile(applied)
+
+    def stop_once_the_thread_compiles(*args):
+        if threading.current_thread().name == "compile_trainer-background":
+            background.stop_after_region()
+
+    def end_training_at_step_1(step):  # step 0 ran eagerly and was recorded
+        if step == 1:
+            background.poll()  # starts the thread, which stops after its first region
+            background.close(finish=False)
+
+    callback_handler.register_start_callback(stop_once_the_thread_compiles)
+    threads = CompileThreads()
+    try:
+        losses = train(tiny_gpt, 4, background, end_training_at_step_1)
+    finally:
+        callback_handler.remove_start_callback(stop_once_the_thread_compiles)
+        threads.remove()
+    assert background.installed and (background.regions_compiled, len(background.recorded)) == (1, 3)
+    assert "1 of 3 regions" in background.describe() and "2 compile at their first call" in background.describe()
+    assert background.summary()["background_regions_compiled"] == 1
+    assert threading.main_thread().name in threads.names, "the regions the thread did not reach compiled here"
+    assert losses == pytest.approx(expected, rel=1e-5)

@@ -171,6 +171,8 @@ class BackgroundCompile:
         self.compiled_after_seconds: Optional[float] = None  # from the first poll to the install
         self._first_poll: Optional[float] = None
         self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()  # set: the thread compiles no further region
+        self.regions_compiled = 0  # entries the thread compiled (of ``len(self.recorded)``)
         self._failure: Optional[Tuple[str, BaseException]] = None
         self._recorder = _RecordAndRunEagerly(self)
         applied.interceptors.add(self._recorder)
@@ -208,11 +210,19 @@ class BackgroundCompile:
             self._thread.join()
             self._install(time.perf_counter())
 
-    def close(self) -> None:
-        """End of training: wait for a running compile (a thread cannot be stopped), then install it."""
+    def stop_after_region(self) -> None:
+        """Have the thread compile no region after the one it is compiling (a compile cannot be interrupted)."""
+        self._stop.set()
+
+    def close(self, finish: bool = True) -> None:
+        """End of training: wait for a running compile, then install it. ``finish=False``: the thread stops after
+        the region it is compiling; the regions it did not reach compile at their first call, if they run again
+        (``CompileCallback``: a fit that ends before the compile does waits seconds, not the whole compile)."""
         if self.state == "recording":  # never started: nothing was recorded, compile lazily as usual
             self._stop_running_eagerly()
             self.state = "installed"
+        if not finish:
+            self.stop_after_region()
         self.wait()
 
     def describe(self) -> str:
@@ -222,15 +232,19 @@ class BackgroundCompile:
         if self.lowering == "subprocess":
             here = ", ".join(f"{n} on the thread: {reason}" for reason, n in self.lowerings.here.items())
             lowered = f" ({self.lowerings.in_subprocess} graphs lowered in a subprocess{', ' + here if here else ''})"
+        regions, left = len(self.recorded), len(self.recorded) - self.regions_compiled
+        stopped = f" (stopped at the end of training: {left} compile at their first call)" if left else ""
         return (
-            f"background compile: {len(self.recorded)} regions in {self.compile_seconds:.1f} s on a thread"
-            f"{lowered}, while {self.eager_steps} steps ran eagerly; compiled regions in use "
+            f"background compile: {self.regions_compiled} of {regions} regions in {self.compile_seconds:.1f} s on a "
+            f"thread{lowered}{stopped}, while {self.eager_steps} steps ran eagerly; compiled regions in use "
             f"{self.compiled_after_seconds:.1f} s after the first step started"
         )
 
     def summary(self) -> Dict[str, Any]:
         return {
             "background_compile_s": self.compile_seconds,
+            "background_regions": len(self.recorded),
+            "background_regions_compiled": self.regions_compiled,
             "background_eager_steps": self.eager_steps,
             "background_compiled_after_s": self.compiled_after_seconds,
             "background_lowering": self.lowering,
@@ -252,8 +266,11 @@ class BackgroundCompile:
             )
             with compat.eager_backward_lowering(), lowering:
                 for item, recorded in self.recorded.values():
+                    if self._stop.is_set():
+                        break
                     name = item.region.name
                     recorded.replay(item)
+                    self.regions_compiled += 1
                     recorded.module, recorded.args, recorded.kwargs = None, (), {}  # free the copies
         except BaseException as error:  # noqa: BLE001 - reported on the training thread by poll()
             self._failure = (name, error)
@@ -272,6 +289,8 @@ class BackgroundCompile:
         self._stop_running_eagerly()
         self.state = "installed"
         self.compiled_after_seconds = now - (self._first_poll or now)
+        for _, recorded in self.recorded.values():  # those the thread did not reach
+            recorded.module, recorded.args, recorded.kwargs = None, (), {}
 
     def _stop_running_eagerly(self) -> None:
         self.applied.interceptors.remove(self._recorder)

@@ -257,7 +257,7 @@ class CompileCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.background is not None and not self.background.installed:
-            self.background.close()  # a thread cannot be stopped: training ended before the compile did
+            self.background.close(finish=False)  # training ended first: the thread stops after its current region
             _log_background(trainer, self.background)
         # Here, not at fit end: Lightning's teardown, before on_fit_end, moves a GPU module to the CPU, away from
         # the inputs its captures kept. The captures' traces are not the run's compiles.
