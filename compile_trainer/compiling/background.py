@@ -161,7 +161,7 @@ class BackgroundCompile:
         if problem:
             raise RuntimeError(f"background compile {problem}")
         self.applied = applied
-        self.defers_every_region = applied.policy.background or not any(i.region.background for i in applied.compiled)
+        self.defers_every_region = applied.policy.background or not applied.background_parts
         self.lowerings = compat.SubprocessLowerings()
         # entry name -> its first training call; blocks of one class share an entry, and one graph
         self.recorded: Dict[str, Tuple[CompiledRegion, RecordedCall]] = {}

@@ -145,10 +145,15 @@ class AppliedPolicy:
             torch.compiler.cudagraph_mark_step_begin()
 
     @property
+    def background_parts(self) -> List[CompiledRegion]:
+        """The regions of a regional rule's rest that compile on a background thread (``rest: background``)."""
+        return [item for item in self.compiled if item.region.background]
+
+    @property
     def defers_compiles(self) -> bool:
         """Whether regions wait for a background compile (``compiling.background``): every region
         (``background: true``), or the parts of a regional rule's rest (``rest: background``)."""
-        return self.policy.enabled and (self.policy.background or any(i.region.background for i in self.compiled))
+        return self.policy.enabled and (self.policy.background or bool(self.background_parts))
 
     def compile_in_foreground(self, reason: str) -> None:
         """A background policy's regions compile at their first call, as without ``background``; the plan
@@ -574,7 +579,7 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     lowering = ""
     if applied.background_lowering == "subprocess":
         lowering = ", Inductor's lowering in its compile subprocess (background_lowering: subprocess)"
-    deferred = [item.region.name for item in applied.compiled if item.region.background]
+    deferred = [item.region.name for item in applied.background_parts]
     setting = "background: true" if applied.policy.background else "rest: background"
     if applied.defers_compiles and applied.foreground_reason is not None:
         lines.append(f"{setting}, compiled in the foreground: {applied.foreground_reason}")

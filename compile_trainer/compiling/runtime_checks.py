@@ -55,13 +55,13 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
     for index, rule in enumerate(policy.rules):
         check_backend(f"{where}, rule {index} {rule.describe()}", rule.backend)
     check_backend(f"{where}, optimizer", policy.optimizer.backend)
-    deferring = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "background"]
+    deferring = policy.regional_rules_with_rest("background")
     if (policy.background or deferring) and policy.compiles_modules:
         problem = background_compile_problem(policy.background_lowering)
         if problem:
             setting = "background: true" if policy.background else f"rule {deferring[0]}: rest: background"
             raise PolicyError(f"{where}: {setting} {problem}.")
-    nested = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "nested"]
+    nested = policy.regional_rules_with_rest("nested")
     if nested and policy.enabled and not compat.has_nested_compile_region():
         problem = compat.needs_torch("rest: nested (torch.compiler.nested_compile_region)", (2, 8))
         raise PolicyError(f"{where}, rule {nested[0]}: {problem}.")

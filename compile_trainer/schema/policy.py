@@ -132,6 +132,10 @@ class CompilePolicy(CompileSettings):
     def compiles_modules(self) -> bool:
         return self.enabled and bool(self.rules)
 
+    def regional_rules_with_rest(self, rest: str) -> List[int]:
+        """The indices of the regional rules whose ``rest`` is ``rest``."""
+        return [i for i, rule in enumerate(self.rules) if rule.action == "regional" and rule.rest == rest]
+
 
 def optimizer_settings(optimizer: OptimizerPolicy, policy_backend: str = "inductor") -> CompileSettings:
     """The settings the optimizer's update is compiled with: its own, else the policy's backend, fullgraph."""

@@ -72,7 +72,7 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
 
 
 def _check_background_rest(where: str, policy: CompilePolicy) -> None:
-    deferring = [i for i, rule in enumerate(policy.rules) if rule.action == "regional" and rule.rest == "background"]
+    deferring = policy.regional_rules_with_rest("background")
     if not deferring or not policy.enabled:
         return
     clashes = [
