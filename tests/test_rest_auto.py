@@ -129,6 +129,22 @@ def test_auto_falls_back_to_compile_where_the_module_loops_over_its_blocks(tiny_
     assert "(rest: outer)" in notes(plan) and "loops over its blocks in its own forward" in notes(plan)
 
 
+@pytest.mark.parametrize("wrap", [Wrapper, SlicingWrapper], ids=["loops_over_its_blocks", "weights_all_in_the_break"])
+def test_on_a_gpu_heavy_parts_no_outer_region_can_hold_compile_in_the_background(tiny_gpt, wrap):
+    """Where ``auto`` would take ``compile`` (the GPT loops over its own blocks, or all the weights around the blocks
+    lie in the module that does), the first step would compile the embeddings and head beside the blocks: on a GPU
+    they go to the background thread instead (``background_rest``, as ``apply_policy`` asks there)."""
+    root = wrap(tiny_gpt)
+    background = resolve_plan(root, to_policy("regional"), background_rest=True)
+    rest = {r.name: r.background for r in background.regions if r.role == "rest"}
+    assert rest == {"model.embed": True, "model.head": True}
+    assert [r.background for r in background.regions if r.role == "block"] == [False] * 3
+    assert "on a background thread after the first step, which compiles only the blocks" in notes(background)
+    assert "(rest: background)" in notes(background) and "(rest: compile)" not in notes(background)
+    foreground = resolve_plan(root, to_policy("regional"))
+    assert {r.name: r.background for r in foreground.regions if r.role == "rest"} == dict.fromkeys(rest, False)
+
+
 @pytest.mark.parametrize("threshold", [-0.1, 1.5])
 def test_a_threshold_outside_0_to_1_is_refused(threshold):
     with pytest.raises(PolicyError, match=r"regional_outer_min_share must be in \[0, 1\].*got " + str(threshold)):

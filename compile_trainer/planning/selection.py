@@ -308,11 +308,14 @@ def _auto_rest(
     compile's with it eager, 0.48-0.59 compiled; throughput 0.967-0.986). Where ``plan.background_rest``, those
     light parts are compiled as their own regions on a background thread instead (``background``): the first step
     still compiles only the blocks, and the steps after the install run the parts compiled (ConvNeXt-T on an H100:
-    its eager LayerNorms and layout copies cost 1.5-2 ms of a 19 ms step).
+    its eager LayerNorms and layout copies cost 1.5-2 ms of a 19 ms step). So are the heavy parts where no outer
+    region can hold them (``compile`` below, or a module that loops over its own blocks): the first compiled graph
+    carries the process's one-time compiler costs, and compiling the embeddings and head first made the recipe's
+    GPT-2 small wait for three graphs at its first step (H100: 2.9-3.5 s embed, 3.2-3.9 s blocks, 2.1-2.4 s head).
 
-    ``compile`` where all of that lies in the module that runs eagerly around the blocks (the break), whose parts
-    are regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer graphs
-    would compile glue, and a new machine traces them again, since graphs with a break are not precompiled
+    Otherwise ``compile`` where all of that lies in the module that runs eagerly around the blocks (the break),
+    whose parts are regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer
+    graphs would compile glue, and a new machine traces them again, since graphs with a break are not precompiled
     (``compile_trainer.cache.precompiled``)."""
     module, blocks = modules[name], [modules[b] for b in block_names]
     share = _share_outside(module, blocks)
@@ -334,6 +337,17 @@ def _auto_rest(
             "(rest: background)"
         )
         return "eager"
+    if plan.background_rest and (breaks is None or not _holds_state_around(modules, [*block_names, *breaks])):
+        where = (
+            f"all of them in {', '.join(breaks)}, which runs eagerly around the blocks"
+            if breaks
+            else "and it loops over its blocks in its own forward, so it cannot be compiled around them"
+        )
+        plan.notes.append(
+            f"{measured} (>= {knob}), {where}: its parts with weights compiled as their own regions on a background "
+            "thread after the first step, which compiles only the blocks; eager until then (rest: background)"
+        )
+        return "background"
     if breaks and not _holds_state_around(modules, [*block_names, *breaks]):
         plan.notes.append(
             f"{measured} (>= {knob}), all of them in {', '.join(breaks)}, which runs eagerly around the blocks: its "
