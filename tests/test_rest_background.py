@@ -21,7 +21,7 @@ REST = ["model.convnext.embeddings", *DOWNSAMPLING, "model.convnext.layernorm", 
 
 
 # A torch too old to compile in the background (2.9) refuses rest: background before training, naming what it lacks.
-PROBLEM = background_compile_problem(to_policy("regional").background_lowering)
+PROBLEM = background_compile_problem(to_policy("regional").lowering)
 
 
 def refused_where_unsupported(run):
@@ -52,6 +52,27 @@ def test_auto_takes_background_for_light_parts_where_allowed_and_eager_elsewhere
     applied = apply_policy(nn.ModuleDict({"model": tiny_convnext()}), to_policy("regional", backend="aot_eager"))
     assert not applied.defers_compiles, "on a CPU the thread would take cores from training: rest: eager"
     applied.remove()
+
+
+@pytest.mark.parametrize(
+    "lowering, said",
+    [
+        ("auto", "on the thread (background_lowering: auto: thread)"),
+        ("subprocess", "in its compile subprocess (background_lowering: subprocess)"),
+    ],
+)
+def test_the_parts_lower_on_the_thread_unless_the_policy_says_where(lowering, said):
+    """``background_lowering: auto``: the subprocess for a whole model's graphs beside eager steps, the thread for a
+    few small parts (their kernels compiled far slower in the subprocess: ``CompilePolicy.lowering``)."""
+    assert to_policy("full_background").lowering == "subprocess"
+    assert to_policy("regional").lowering == "thread"
+    assert to_policy("regional", background_lowering="subprocess").lowering == "subprocess"
+    root, applied = nn.ModuleDict({"model": tiny_convnext()}), []
+    policy = rest_background(backend="inductor", background_lowering=lowering)
+    if refused_where_unsupported(lambda: applied.append(apply_policy(root, policy))):
+        return
+    assert f"eager until then (rest: background), Inductor's lowering {said}" in format_plan_table(applied[0])
+    applied[0].remove()
 
 
 def test_the_blocks_compile_at_the_first_step_and_the_rest_on_a_thread_with_eager_losses():

@@ -18,8 +18,9 @@ save-and-restore of the process-wide random-number state is skipped on the threa
 training thread's generators); the step at which the compiled regions take over varies from run to run.
 
 The thread holds the GIL while it traces, and each torch op of an eager step waits for it (a step of seconds where
-alone it takes tens of milliseconds). With Inductor, ``background_lowering: subprocess`` (the default) lowers each
-graph in Inductor's compile subprocess (``compat.lowering_in_subprocess``): the thread waits for it without the GIL.
+alone it takes tens of milliseconds). With Inductor, ``background_lowering: subprocess`` (what ``auto`` takes under
+``background: true``; ``CompilePolicy.lowering``) lowers each graph in Inductor's compile subprocess
+(``compat.lowering_in_subprocess``): the thread waits for it without the GIL.
 
 Without Lightning::
 

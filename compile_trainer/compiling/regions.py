@@ -128,9 +128,9 @@ class AppliedPolicy:
 
     @property
     def background_lowering(self) -> str:
-        """Where a background compile lowers its graphs: the policy's setting; ``thread`` where no region compiles
-        with Inductor (only Inductor lowers graphs)."""
-        return self.policy.background_lowering if self.uses_inductor else "thread"
+        """Where a background compile lowers its graphs: the policy's (``CompilePolicy.lowering``); ``thread`` where
+        no region compiles with Inductor (only Inductor lowers graphs)."""
+        return self.policy.lowering if self.uses_inductor else "thread"
 
     def begin_step(self) -> None:
         """Call before each training or evaluation step (``CompileCallback`` does).
@@ -371,7 +371,7 @@ def _may_compile_rest_in_background(policy: CompilePolicy, device: torch.device)
     """Whether ``rest: auto`` may resolve to ``background``: on a GPU (on a CPU the thread would take cores from
     training), where nothing else decides when compiles happen (a compile cache, bucket warm-up, ``background``)."""
     others = policy.background or policy.cache.active or policy.shapes.warmup
-    return device.type == "cuda" and not others and background_compile_problem(policy.background_lowering) is None
+    return device.type == "cuda" and not others and background_compile_problem(policy.lowering) is None
 
 
 def model_device(module: nn.Module) -> torch.device:
@@ -577,8 +577,11 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     groups = applied.shared_counts()
     lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
     lowering = ""
-    if applied.background_lowering == "subprocess":
-        lowering = ", Inductor's lowering in its compile subprocess (background_lowering: subprocess)"
+    if applied.uses_inductor:
+        setting = applied.policy.background_lowering
+        where = "in its compile subprocess" if applied.background_lowering == "subprocess" else "on the thread"
+        resolved = f": {applied.background_lowering}" if setting == "auto" else ""
+        lowering = f", Inductor's lowering {where} (background_lowering: {setting}{resolved})"
     deferred = [item.region.name for item in applied.background_parts]
     setting = "background: true" if applied.policy.background else "rest: background"
     if applied.defers_compiles and applied.foreground_reason is not None:

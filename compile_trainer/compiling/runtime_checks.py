@@ -57,7 +57,7 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
     check_backend(f"{where}, optimizer", policy.optimizer.backend)
     deferring = policy.regional_rules_with_rest("background")
     if (policy.background or deferring) and policy.compiles_modules:
-        problem = background_compile_problem(policy.background_lowering)
+        problem = background_compile_problem(policy.lowering)
         if problem:
             setting = "background: true" if policy.background else f"rule {deferring[0]}: rest: background"
             raise PolicyError(f"{where}: {setting} {problem}.")

@@ -65,6 +65,11 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         check_mode(rule_where, rule.mode)
     for problem in shape_policy_problems(policy) + cache_settings_problems(policy.cache):
         raise PolicyError(f"{where}: {problem}.")
+    if policy.background_lowering not in BACKGROUND_LOWERINGS:
+        raise PolicyError(
+            f"{where}: invalid background_lowering {policy.background_lowering!r}. Valid values: "
+            f"{', '.join(BACKGROUND_LOWERINGS)}."
+        )
     if policy.background:
         _check_background(where, policy)
     _check_background_rest(where, policy)
@@ -96,11 +101,6 @@ def _check_background(where: str, policy: CompilePolicy) -> None:
                 "compiling them on a thread failed on an H100, torch 2.11; auto: it may resolve to outer); use "
                 "rest: compile, or background: false."
             )
-    if policy.background_lowering not in BACKGROUND_LOWERINGS:
-        raise PolicyError(
-            f"{where}: invalid background_lowering {policy.background_lowering!r}. Valid values: "
-            f"{', '.join(BACKGROUND_LOWERINGS)}."
-        )
     if policy.shapes.warmup:
         raise PolicyError(
             f"{where}: background: true and shapes.warmup: true both decide when compiles happen (warm-up compiles "
