@@ -153,6 +153,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--split-at-buckets", action="store_true", help="distributed.split_graphs_at_ddp_buckets")
     parser.add_argument("--no-apply", action="store_true", help="fsdp2: configure_model does not apply the policy")
     parser.add_argument("--cache", help="a compile cache directory (read-write)")
+    parser.add_argument("--rest", help="one regional rule for every module, with this rest (default: the policy's)")
     parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
     parser.add_argument("--sync-grads", action="store_true", help="the loss gathered with all_gather(sync_grads=True)")
     parser.add_argument(
@@ -206,6 +207,8 @@ def train(args: argparse.Namespace) -> CompileCallback:
         overrides["shapes"] = {"pad": {"auto": {"count": 2, "sample_batches": 8, "multiple_of": 4}}}
     if args.cache:
         overrides["cache"] = {"dir": args.cache, "mode": "read-write"}
+    if args.rest:
+        overrides["rules"] = [{"name": "*", "action": "regional", "rest": args.rest}]
     overrides["distributed"] = {
         "consistent_dynamic_shapes": args.consistent_dynamic_shapes,
         "split_graphs_at_ddp_buckets": args.split_at_buckets,

@@ -108,8 +108,12 @@ POLICIES = [
 # Blocks of 3 MB under 1 MB buckets (DDP's smallest: DDPOptimizer wants the first bucket no larger than the rest)
 BUCKETED = ["--backend", "eager_counted", "--width", "256", "--bucket-cap-mb", "1"]
 SPLITS = [("regional", BUCKETED), ("regional", [*BUCKETED, "--split-at-buckets"])]
+# rest: background (what regional's rest: auto takes on a GPU for the recipe's GPT): the blocks compiled at the first
+# step, the embeddings and head on the thread, held until each rank's step as above
+REST_BACKGROUND = ("regional", ["--backend", "eager", "--rest", "background", *BACKGROUND_ARGS])
 POLICY_IDS = ["regional", "full", "dynamic", "buckets", "optimizer", "optimizer_auto"] + [p for p, _ in POLICIES[6:]]
-RUNS = dict(zip(POLICY_IDS, POLICIES)) | dict(zip(["buckets_unsplit", "buckets_split"], SPLITS))
+POLICY_IDS += ["regional_rest_background"]
+RUNS = dict(zip(POLICY_IDS, [*POLICIES, REST_BACKGROUND])) | dict(zip(["buckets_unsplit", "buckets_split"], SPLITS))
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +161,7 @@ def test_ddp_trains_like_one_process(trained, name):
     if policy == "buckets":
         assert ddp["summary"]["buckets"] == [8, 16] and ddp["summary"]["padding_overhead"] > 0  # 12 padded to 16
     if "--compiled-from" in args:
-        assert_ranks_switched_to_compiled_at_different_steps(tmp_path / f"{name}.json", ddp)
+        assert_ranks_switched_to_compiled_at_different_steps(tmp_path / f"{name}.json", ddp, "--rest" in args)
 
 
 def test_graphs_are_split_at_ddp_buckets_only_when_the_policy_asks(trained):
@@ -172,9 +176,15 @@ def test_graphs_are_split_at_ddp_buckets_only_when_the_policy_asks(trained):
     assert ddp_split["backend_compiles"] > 2 * single["backend_compiles"]
 
 
-def assert_ranks_switched_to_compiled_at_different_steps(out: Path, ddp: dict) -> None:
+def assert_ranks_switched_to_compiled_at_different_steps(out: Path, ddp: dict, rest_only: bool) -> None:
     """Background under DDP: the eager steps ran beside the compile, each rank switched at its own step."""
-    assert "compiled on a background thread while the first steps run eagerly" in ddp["output"]
+    if rest_only:  # the parts around the blocks on the thread, the blocks compiled at the first step
+        deferred = [row["module"] for row in ddp["plan"] if row["action"] == "regional rest (background)"]
+        assert len(deferred) >= 2 and not [row for row in ddp["plan"] if row["action"] == "regional block (background)"]
+        said = f"{', '.join(deferred)}: compiled on a background thread after the first step, eager until then"
+        assert said in ddp["output"]
+    else:
+        assert "compiled on a background thread while the first steps run eagerly" in ddp["output"]
     assert ddp["gathered_while_compiling"] == [1], "the step's all_gather(sync_grads=True) ran inside the compile"
     by_rank = [json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(2)]
     assert [summary["background_eager_steps"] for summary in by_rank] == [2, 3]
