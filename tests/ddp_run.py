@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
@@ -50,14 +50,14 @@ BACKGROUND_THREAD = "compile_trainer-background"
 
 
 class VarLengthTokens(Dataset):
-    def __init__(self, global_batch: int, steps: int, skew: bool = False):
-        self.global_batch, self.count, self.skew = global_batch, global_batch * steps, skew
+    def __init__(self, global_batch: int, steps: int, skew: bool = False, lengths: Sequence[int] = LENGTHS):
+        self.global_batch, self.count, self.skew, self.lengths = global_batch, global_batch * steps, skew, lengths
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, index: int) -> TokenBatch:
-        length = LENGTHS[(index // self.global_batch) % len(LENGTHS)]
+        length = self.lengths[(index // self.global_batch) % len(self.lengths)]
         if self.skew and index % 2 == 0:  # rank 0 sees one length, rank 1 several: rank 1 alone recompiles
             length = LENGTHS[0]
         tokens = torch.randint(1, CONFIG.vocab_size, (length + 1,), generator=torch.Generator().manual_seed(index))
@@ -90,6 +90,7 @@ class RecordingLM(LanguageModel):
         config = dataclasses.replace(CONFIG, n_embd=width) if width else CONFIG
         super().__init__(config, lr=1e-2, warmup_steps=0, decay_steps=10_000, weight_decay=0.0)
         self.global_batch, self.batch, self.steps, self.skew = global_batch, batch, steps, skew
+        self.lengths: Sequence[int] = LENGTHS
         self.losses_by_step = {}  # a warm-up batch (shapes.warmup) runs before the step's real one: overwritten
         self.sync_grads = False  # gather the loss as a user's contrastive loss would: all_gather(sync_grads=True)
         self.compile_callback: Optional[CompileCallback] = None
@@ -120,7 +121,7 @@ class RecordingLM(LanguageModel):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.0)
 
     def train_dataloader(self):
-        data = VarLengthTokens(self.global_batch, self.steps, self.skew)
+        data = VarLengthTokens(self.global_batch, self.steps, self.skew, self.lengths)
         sampler = DistributedSampler(data, self.trainer.world_size, self.global_rank, shuffle=False)
         return DataLoader(data, batch_size=self.batch, sampler=sampler)
 
@@ -155,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--cache", help="a compile cache directory (read-write)")
     parser.add_argument("--rest", help="one regional rule for every module, with this rest (default: the policy's)")
     parser.add_argument("--skew", action="store_true", help="rank 0 sees one length, rank 1 several")
+    parser.add_argument(
+        "--fixed-length", action="store_true", help="every batch of LENGTHS[0] tokens: nothing compiles after step 0"
+    )
     parser.add_argument("--sync-grads", action="store_true", help="the loss gathered with all_gather(sync_grads=True)")
     parser.add_argument(
         "--compiled-from", help="background policies: per rank, the step from which the compiled regions run (>= 2); "
@@ -227,6 +231,7 @@ def train(args: argparse.Namespace) -> CompileCallback:
         module.policy = None if args.no_apply else callback.policy
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     module.compile_callback, module.sync_grads = callback, args.sync_grads
+    module.lengths = LENGTHS[:1] if args.fixed_length else LENGTHS
     module.compiled_from = [int(step) for step in args.compiled_from.split(",")] if args.compiled_from else []
     trainer = pl.Trainer(
         max_steps=args.steps, logger=False, callbacks=[callback], accelerator="cpu", devices=args.devices,

@@ -109,8 +109,10 @@ POLICIES = [
 BUCKETED = ["--backend", "eager_counted", "--width", "256", "--bucket-cap-mb", "1"]
 SPLITS = [("regional", BUCKETED), ("regional", [*BUCKETED, "--split-at-buckets"])]
 # rest: background (what regional's rest: auto takes on a GPU for the recipe's GPT): the blocks compiled at the first
-# step, the embeddings and head on the thread, held until each rank's step as above
-REST_BACKGROUND = ("regional", ["--backend", "eager", "--rest", "background", *BACKGROUND_ARGS])
+# step, the embeddings and head on the thread, held until each rank's step as above. One length: a recompile of the
+# blocks on the training thread at step 1 would overlap the thread's first compile, and Dynamo runs its start
+# callbacks (the hold) only when no other compile is under way
+REST_BACKGROUND = ("regional", ["--backend", "eager", "--rest", "background", "--fixed-length", *BACKGROUND_ARGS])
 POLICY_IDS = ["regional", "full", "dynamic", "buckets", "optimizer", "optimizer_auto"] + [p for p, _ in POLICIES[6:]]
 POLICY_IDS += ["regional_rest_background"]
 RUNS = dict(zip(POLICY_IDS, [*POLICIES, REST_BACKGROUND])) | dict(zip(["buckets_unsplit", "buckets_split"], SPLITS))
