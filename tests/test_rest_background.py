@@ -135,7 +135,9 @@ def test_a_lightning_fit_with_rest_background_runs_each_training_step_once():
     assert len(module.losses) == 6 == trainer.global_step
     summary = callback.summary()
     assert callback.background.installed and summary["background_eager_steps"] == 2
-    assert summary["steady_steps"] >= 2 and summary["steady_samples_per_s"] > 0, "steps with compiled blocks count"
+    # step 0 compiled the blocks, step 1 ran beside the thread's compile (which competes for the interpreter): the
+    # four steps after the install are the steady ones
+    assert (summary["compile_steps"], summary["steady_steps"]) == (2, 4) and summary["steady_samples_per_s"] > 0
     assert summary["unique_graphs"] == 4 + len(REST), "one graph per block structure, one per part of the rest"
     assert summary["recompiles"] == 0 and summary["eager_fallbacks"] == 0, "waiting for the thread is no fallback"
 
