@@ -578,10 +578,10 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
     lowering = ""
     if applied.uses_inductor:
-        setting = applied.policy.background_lowering
+        configured = applied.policy.background_lowering
         where = "in its compile subprocess" if applied.background_lowering == "subprocess" else "on the thread"
-        resolved = f": {applied.background_lowering}" if setting == "auto" else ""
-        lowering = f", Inductor's lowering {where} (background_lowering: {setting}{resolved})"
+        resolved = f": {applied.background_lowering}" if configured == "auto" else ""
+        lowering = f", Inductor's lowering {where} (background_lowering: {configured}{resolved})"
     deferred = [item.region.name for item in applied.background_parts]
     setting = "background: true" if applied.policy.background else "rest: background"
     if applied.defers_compiles and applied.foreground_reason is not None:

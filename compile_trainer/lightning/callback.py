@@ -221,13 +221,7 @@ class CompileCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.telemetry is not None:
-            # Not steady state: steps that run every region eagerly for a background compile, and under
-            # rest: background the steps beside the thread's compile, which competes for the interpreter (the
-            # recipe's GPT-2 small on an H200: 73-86 ms a step beside it, 19 ms after)
-            background = self.background
-            compiling = background is not None and (
-                background.state == "compiling" or (not background.installed and background.defers_every_region)
-            )
+            compiling = self.background is not None and self.background.disturbs_steps
             loaded = self.cache is not None and self.cache.precompiled_loads != self._loads_at_step_start
             self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling, loaded_compiled_code=loaded)
         if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled

@@ -337,9 +337,11 @@ def _auto_rest(
             "(rest: background)"
         )
         return "eager"
-    if plan.background_rest and (breaks is None or not _holds_state_around(modules, [*block_names, *breaks])):
+    all_in_break = bool(breaks) and not _holds_state_around(modules, [*block_names, *breaks])
+    in_break = f"all of them in {', '.join(breaks or [])}, which runs eagerly around the blocks"
+    if plan.background_rest and (breaks is None or all_in_break):
         where = (
-            f"all of them in {', '.join(breaks)}, which runs eagerly around the blocks"
+            in_break
             if breaks
             else "and it loops over its blocks in its own forward, so it cannot be compiled around them"
         )
@@ -348,9 +350,9 @@ def _auto_rest(
             "thread after the first step, which compiles only the blocks; eager until then (rest: background)"
         )
         return "background"
-    if breaks and not _holds_state_around(modules, [*block_names, *breaks]):
+    if all_in_break:
         plan.notes.append(
-            f"{measured} (>= {knob}), all of them in {', '.join(breaks)}, which runs eagerly around the blocks: its "
+            f"{measured} (>= {knob}), {in_break}: its "
             "parts compiled as regions (rest: compile); the code around it holds no weights (rest: outer would "
             "compile glue)"
         )
