@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 import threading
 import types
 import warnings
@@ -731,6 +732,21 @@ def warm_subprocess_lowering() -> None:
     _SubprocessFxCompile.process_pool()
 
 
+TREE_CONTAINERS = "tree_manager_containers"  # CUDA-graph trees' per-thread state: device index -> container
+
+
+def cudagraph_warmed_up_functions() -> int:
+    """Functions CUDA-graph trees have warmed up on this thread's devices (``CUDAGraphTreeManager.
+    warmed_up_functions``; checked 2.9.1-2.14.1). A compiled function runs once without a graph before it is
+    recorded, and every function after it in that step runs so too; a step during which this count changes ran its
+    graphs unrecorded (a new region installed by a background compile warms the whole step up): no steady step."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None or not (hasattr(trees.local, TREE_CONTAINERS) or torch._C._is_key_in_tls(TREE_CONTAINERS)):
+        return 0  # no CUDA graph run on this thread yet (reading would create its state)
+    containers = trees.get_obj(trees.local, TREE_CONTAINERS).values()
+    return sum(len(c.tree_manager.warmed_up_functions) for c in containers if c.tree_manager is not None)
+
+
 def import_cudagraph_trees() -> None:
     """CUDA graph trees create per-thread state on import; the thread that runs the graphs needs it (2.11)."""
     import torch._inductor.cudagraph_trees  # noqa: F401
@@ -1288,9 +1304,18 @@ def _probe_compile_session() -> None:
 
 def _probe_cudagraph_trees() -> None:
     import_cudagraph_trees()
-    import sys
-
     assert "torch._inductor.cudagraph_trees" in sys.modules
+
+
+def _probe_cudagraph_warmups() -> None:
+    import inspect
+
+    from torch._inductor import cudagraph_trees
+
+    assert cudagraph_warmed_up_functions() == 0, "no CUDA graph has run in the probe's process"
+    assert TREE_CONTAINERS in inspect.getsource(cudagraph_trees.get_container)
+    assert "self.warmed_up_functions.add(function_id)" in inspect.getsource(cudagraph_trees.CUDAGraphTreeManager)
+    assert callable(cudagraph_trees.get_obj) and hasattr(cudagraph_trees, "local")
 
 
 def _probe_optimizer() -> None:
@@ -1544,6 +1569,7 @@ ENTRIES = [
     Entry("fx_tracing_check", _probe_fx_tracing_check),
     Entry("compile_session_owner", _probe_compile_session),
     Entry("import_cudagraph_trees", _probe_cudagraph_trees),
+    Entry("cudagraph_warmed_up_functions", _probe_cudagraph_warmups),
     Entry("warm_compile_workers", _probe_warm_compile_workers),
     Entry("fork_compile_workers", _probe_fork_compile_workers),
     Entry("prefetch_compiler_keys", _probe_prefetch_compiler_keys),

@@ -79,7 +79,7 @@ class FitTelemetry:
         self._steps = 0
         self._logged_steps = 0
         self._compiles_at_start = 0
-        self._recordings_at_start = 0
+        self._recordings_at_start = self._warmed_up_at_start = 0
         # Other parts' headline numbers by part (``"padding"``), merged into ``summary()``
         self.summary_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
 
@@ -131,6 +131,7 @@ class FitTelemetry:
         self.compile.phase, self.compile.step = "train", trainer.global_step
         self._compiles_at_start = self.compile.compile_count
         self._recordings_at_start = self.compile.cudagraph_recordings
+        self._warmed_up_at_start = compat.cudagraph_warmed_up_functions()
         self.throughput.step_start(batch)
         if self._flop_count is not None:  # the last batch never ended (on_train_batch_start returned -1): again
             self._flop_count.abort()
@@ -163,8 +164,10 @@ class FitTelemetry:
             self._finish_flop_count()
         compiled = self.compile.compile_count != self._compiles_at_start
         recorded = self.compile.cudagraph_recordings != self._recordings_at_start
-        kind = COMPILE if compiled or compiling else WARMUP if self._counted_step or loaded_compiled_code else STEADY
-        self.throughput.step_end(kind, recorded_cuda_graphs=recorded)
+        warmed_up = compat.cudagraph_warmed_up_functions() != self._warmed_up_at_start
+        paused = self._counted_step or loaded_compiled_code or warmed_up
+        kind = COMPILE if compiled or compiling else WARMUP if paused else STEADY
+        self.throughput.step_end(kind, recorded_cuda_graphs=recorded, warmed_up_cuda_graphs=warmed_up)
         if compiled:
             self.compile.collect()
         self._steps += 1
@@ -299,7 +302,7 @@ class FitTelemetry:
             + (f" or CUDA-graph recordings ({recorded})" if recorded else "")
             + f", {show('compile_steps_time_s', unit=' s')} in them; "
             + (
-                f"{summary['warmup_steps']} warm-up (FLOPs counted or cache loaded); "
+                f"{summary['warmup_steps']} warm-up (FLOPs counted, cache loaded or CUDA graphs warmed up); "
                 if summary["warmup_steps"]
                 else ""
             )

@@ -96,6 +96,7 @@ class _Step:
 
     kind: str = STEADY
     recorded_cuda_graphs: bool = False
+    warmed_up_cuda_graphs: bool = False
     samples: int = 0
     tokens: Optional[Count] = None
     padded_tokens: Optional[int] = None
@@ -188,6 +189,7 @@ class ThroughputMeter:
         self._clock = _CudaClock(self.device) if self.device.type == "cuda" else _HostClock()
         self.totals: Dict[str, _Totals] = {kind: _Totals() for kind in (COMPILE, WARMUP, STEADY)}
         self.cudagraph_recording_steps = 0
+        self.cudagraph_warmup_steps = 0
         self.first_step_time_s: Optional[float] = None
         # The last STEADY_WINDOW steady steps' times, for the median: a mean over a run carries its outliers
         # (an allocator growth, a collective's first call, a GC pause) into every steady figure.
@@ -222,12 +224,18 @@ class ThroughputMeter:
         self._step = step
         self._clock.start()
 
-    def step_end(self, kind: str = STEADY, recorded_cuda_graphs: bool = False) -> None:
+    def step_end(
+        self, kind: str = STEADY, recorded_cuda_graphs: bool = False, warmed_up_cuda_graphs: bool = False
+    ) -> None:
         """End the step begun by ``step_start``: ``kind`` is ``COMPILE`` (something compiled during it, or CUDA
-        graphs were recorded: ``recorded_cuda_graphs``), ``WARMUP`` (kept out of steady state for another reason)
-        or ``STEADY``."""
+        graphs were recorded: ``recorded_cuda_graphs``), ``WARMUP`` (kept out of steady state for another reason,
+        such as CUDA graphs run unrecorded before their recording: ``warmed_up_cuda_graphs``) or ``STEADY``."""
         step, self._step = self._step, None
-        step.kind, step.recorded_cuda_graphs = kind, recorded_cuda_graphs
+        step.kind, step.recorded_cuda_graphs, step.warmed_up_cuda_graphs = (
+            kind,
+            recorded_cuda_graphs,
+            warmed_up_cuda_graphs,
+        )
         self._clock.stop(step)
         self._read(wait=False)
 
@@ -236,6 +244,7 @@ class ThroughputMeter:
             if self.first_step_time_s is None:
                 self.first_step_time_s = seconds
             self.cudagraph_recording_steps += step.recorded_cuda_graphs
+            self.cudagraph_warmup_steps += step.warmed_up_cuda_graphs
             counts = (step.samples, _read(step.tokens), step.padded_tokens, _read(step.items))
             for totals in (self.totals[step.kind], self._interval[step.kind]):
                 totals.add(seconds, *counts)
@@ -296,6 +305,7 @@ class ThroughputMeter:
             "steps": sum(totals.steps for totals in self.totals.values()),
             "compile_steps": self.compiling.steps,
             "cudagraph_recording_steps": self.cudagraph_recording_steps,
+            "cudagraph_warmup_steps": self.cudagraph_warmup_steps,
             "warmup_steps": self.totals[WARMUP].steps,
             "compile_steps_time_s": self.compiling.seconds,
             "warmup_steps_time_s": self.totals[WARMUP].seconds,
