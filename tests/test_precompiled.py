@@ -74,6 +74,8 @@ def test_a_loaded_bundle_serves_every_region_without_tracing_and_compiles_what_i
     served = sum(item.calls for item in applied.compiled)
     assert summary["cache_precompiled_hits"] == served == 5  # embed, 3 blocks, head
     assert summary["cache_precompiled_misses"] == 0 and summary["cache_precompiled_load_s"] > 0
+    assert summary["cache_precompiled_background_load_s"] > 0, "loaded on the thread from attach on"
+    assert all(artifact.function is not None for artifact in cache.precompiled.loaded)
     assert "5 call(s) served, 0 compiled" in cache.describe()
 
     evaluated = _net().eval()
@@ -225,6 +227,8 @@ def test_lightning_captures_under_its_precision_plugin_and_the_next_run_is_serve
 
     second = _fit_under_cache(tmp_path, precision)
     assert second["cache_precompiled_hits"] >= 3 and second["cache_precompiled_misses"] == 0
+    # loaded on a thread, under the autocast state of their capture: its guards accept the training thread's calls
+    assert second["cache_precompiled_background_load_s"] > 0
     assert (second["compiles"], second["eager_fallbacks"]) == (0, 0)
     # nothing compiled, but the first step loaded the artifacts: a warm-up step, kept out of steady state
     assert (second["compile_steps"], second["warmup_steps"], second["steady_steps"]) == (0, 1, 2)

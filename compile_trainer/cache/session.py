@@ -141,6 +141,7 @@ class CompileCache:
         if self._artifacts or self._uncapturable or capture:
             self.precompiled = precompiled.PrecompiledRegions(self._artifacts, capture, self._uncapturable)
             applied.interceptors.add(self.precompiled)
+            self.precompiled.load_in_background(applied.compiled)
 
     def _gather_captures(self) -> None:
         """Every rank's captures to rank 0 (a collective: every writing rank runs it at its final save)."""
