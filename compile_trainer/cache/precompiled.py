@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import logging
+import os
 import re
 import threading
 import time
@@ -51,6 +52,20 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool, str]
+
+# Held by the loading thread around each artifact's load; a fork of this process (``os.fork``: a DataLoader's
+# workers) waits for it. Loading starts subprocesses (Inductor's compile-worker pool, on a new machine), and a fork
+# while another thread's ``Popen`` waits for its child's exec copies the pipe it waits on into the forked process:
+# the loading thread then blocked until the DataLoader's workers exited (2 of 3 runs of GPT-2 small under ``full``,
+# H100, torch 2.11: 100 s, until the run was killed).
+_LOADING = threading.RLock()
+_FORKS_WAIT: List[bool] = []  # the fork hooks, once per process (they cannot be removed)
+
+
+def _forks_wait_for_loading() -> None:
+    if not _FORKS_WAIT:
+        os.register_at_fork(before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release)
+        _FORKS_WAIT.append(True)
 
 
 def current_state() -> GlobalState:
@@ -240,6 +255,7 @@ class PrecompiledRegions:
         by_entry = {item.entry_key: item for item in items}
         work = [(artifact, by_entry[artifact.entry_key]) for artifact in self.loaded if artifact.entry_key in by_entry]
         if work:
+            _forks_wait_for_loading()
             self._loading = threading.Thread(target=self._load_all, args=(work,), name="precompiled-load", daemon=True)
             self._loading.start()
 
@@ -249,7 +265,7 @@ class PrecompiledRegions:
             state = ast.literal_eval(artifact.state)  # repr(current_state()): literals only
             if state[-1]:  # the CUDA device it was captured on: this thread's kernels load there
                 torch.cuda.set_device(state[-1])
-            with _entered(state):
+            with _LOADING, _entered(state):
                 why = self._load(artifact, item)
             if why is not None:
                 self._failed_loads.append((artifact, item.region.name, why))
