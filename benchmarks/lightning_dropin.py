@@ -49,7 +49,16 @@ def build(name: str, smoke: bool) -> nn.Module:
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000, **tiny)
 
 
+DISTINCT_BATCHES = 64  # a longer run cycles through them (64 ViT batches are 2.5 GB on the host)
+
+
 def batches(name: str, smoke: bool, count: int) -> List[Any]:
+    """``count`` batches, of which at most ``DISTINCT_BATCHES`` distinct ones, in turn."""
+    distinct = distinct_batches(name, smoke, min(count, DISTINCT_BATCHES))
+    return [distinct[index % len(distinct)] for index in range(count)]
+
+
+def distinct_batches(name: str, smoke: bool, count: int) -> List[Any]:
     generator = torch.Generator().manual_seed(0)
     if name == "llama":
         size, length, vocab = (2, 32, 256) if smoke else (8, 1024, 32000)
