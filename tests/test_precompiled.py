@@ -6,10 +6,12 @@ caches, and the second loads the bundle into a fresh model. The library is used 
 Inductor, is in test_compile_cache.py.
 """
 
+import ast
 import importlib
 import os
 import sys
 import threading
+from dataclasses import replace
 
 import lightning.pytorch as pl
 import pytest
@@ -309,3 +311,22 @@ def test_a_fork_waits_for_the_artifact_the_loading_thread_is_loading():
     release.set()
     assert forked.wait(timeout=30), "the fork waited past the load"
     loader.join(), forker.join()
+
+
+def test_the_thread_loads_only_the_artifacts_of_this_processs_device(tmp_path):
+    """A bundle holds every rank's captures; loading another rank's would set up that GPU in this process (or fail
+    where it cannot see it): the thread leaves them to the calls (which never ask for them)."""
+    x = torch.randn(4, WIDTH)
+    cache, applied = _run(_net(), tmp_path)
+    _step(applied.root, x)
+    assert cache.save([item.region.name for item in applied.compiled], 1.0, final=True)
+    cache, applied = _run(_net(), tmp_path)
+    cache.precompiled.section()  # waits for the thread that attach started
+    own = [replace(artifact, function=None) for artifact in cache.precompiled.loaded]
+    state = ast.literal_eval(own[0].state)
+    foreign = replace(own[0], state=repr((*state[:-1], "cuda:7")))  # another rank's capture of the same entry
+
+    regions = precompiled.PrecompiledRegions([foreign, *own], capture=False)
+    regions.load_in_background(applied.compiled)
+    regions.section()
+    assert all(artifact.function is not None for artifact in own) and foreign.function is None

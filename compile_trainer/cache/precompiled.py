@@ -250,20 +250,24 @@ class PrecompiledRegions:
                 self._capture(call)
 
     def load_in_background(self, items: Iterable[CompiledRegion]) -> None:
-        """Load the artifacts of ``items``' entries on a thread, each under the state it was captured in, so that
-        region calls find them loaded; the first call that needs one waits for the thread."""
-        by_entry = {item.entry_key: item for item in items}
-        work = [(artifact, by_entry[artifact.entry_key]) for artifact in self.loaded if artifact.entry_key in by_entry]
+        """Load the artifacts of ``items``' entries captured on this process's device (a bundle holds every rank's)
+        on a thread, each under the state it was captured in, so that region calls find them loaded; the first call
+        that needs one waits for the thread."""
+        by_entry, device = {item.entry_key: item for item in items}, current_state()[-1]
+        work = [
+            (artifact, by_entry[artifact.entry_key], state)
+            for artifact in self.loaded
+            if artifact.entry_key in by_entry and (state := ast.literal_eval(artifact.state))[-1] == device
+        ]  # the state: repr(current_state()), literals only
         if work:
             _forks_wait_for_loading()
             self._loading = threading.Thread(target=self._load_all, args=(work,), name="precompiled-load", daemon=True)
             self._loading.start()
 
-    def _load_all(self, work: List[Tuple[Artifact, CompiledRegion]]) -> None:
+    def _load_all(self, work: List[Tuple[Artifact, CompiledRegion, GlobalState]]) -> None:
         started = time.perf_counter()
-        for artifact, item in work:
-            state = ast.literal_eval(artifact.state)  # repr(current_state()): literals only
-            if state[-1]:  # the CUDA device it was captured on: this thread's kernels load there
+        for artifact, item, state in work:
+            if state[-1]:  # this process's CUDA device: the thread's kernels load there
                 torch.cuda.set_device(state[-1])
             with _LOADING, _entered(state):
                 why = self._load(artifact, item)
