@@ -12,12 +12,12 @@ CUDA-graph recording made the recording fail (cudaErrorStreamCaptureInvalidated;
 GPT-2). The capture lowers the graphs with Inductor again (its FX graph cache is off for serializable compiles;
 Triton's binaries are cache hits): in the order of a cold compile's backend time, paid once per bundle.
 
-Serve (a run that loaded a bundle): from ``attach`` on, a thread loads every artifact of the policy's entries under
-the state it was captured in (their guards are rebuilt from the state at load; unpickling a whole-model artifact's
-guards and loading its kernels took 0.6 s of a new machine's first step under ``full``, GPT-2 small, H200), while
-Lightning sets up and the first batch is fetched. At a region's first call in a grad-mode/autocast state, the
-artifacts captured in that state (loaded by then, or now) serve every call their guards accept; any other call
-goes to the region's normal compile, as without the layer. An artifact whose
+Serve (a run that loaded a bundle): from ``attach`` on, a thread loads every artifact of the policy's entries
+captured on this process's device, under the state it was captured in (their guards are rebuilt from the state at
+load; unpickling a whole-model artifact's guards and loading its kernels took 0.6 s of a new machine's first step
+under ``full``, GPT-2 small, H200), while Lightning sets up and the first batch is fetched. At a region's first
+call in a grad-mode/autocast state, the artifacts captured in that state (loaded by then, or now) serve every call
+their guards accept; any other call goes to the region's normal compile, as without the layer. An artifact whose
 model code changed since it was captured (the sources Dynamo traced, torch's own excepted: its version is in the
 bundle's key) is never used.
 """
@@ -56,8 +56,8 @@ GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool, str]
 # Held by the loading thread around each artifact's load; a fork of this process (``os.fork``: a DataLoader's
 # workers) waits for it. Loading starts subprocesses (Inductor's compile-worker pool, on a new machine), and a fork
 # while another thread's ``Popen`` waits for its child's exec copies the pipe it waits on into the forked process:
-# the loading thread then blocked until the DataLoader's workers exited (2 of 3 runs of GPT-2 small under ``full``,
-# H100, torch 2.11: 100 s, until the run was killed).
+# the loading thread then blocked until the DataLoader's workers exited (4 of 6 runs of GPT-2 small under ``full``
+# on an H200 and an H100, torch 2.11: until the run was killed).
 _LOADING = threading.RLock()
 _FORKS_WAIT: List[bool] = []  # the fork hooks, once per process (they cannot be removed)
 
