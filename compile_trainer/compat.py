@@ -321,13 +321,21 @@ FLOP_TOTAL_KEY = "Global"
 
 
 def flop_counting_problem() -> Optional[str]:
-    """Why FLOPs cannot be counted during a compiled step on this torch (None when they can)."""
+    """Why FLOPs cannot be counted during a compiled step on this torch (None when they can). Where Dynamo's guards
+    do not know which dispatch modes compiling ignores (no ``set_is_in_mode_without_ignore_compile_internals``:
+    torch 2.9.1), a tensor's guard sees the mode's Python dispatch key: every region called under the count fails
+    its guards and recompiles (a shared block entry compiled once per block until the recompile limit)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     if not hasattr(TorchDispatchMode, "ignore_compile_internals"):
         return (
             "counting FLOPs during the step needs a dispatch mode that torch.compile ignores "
             f"(TorchDispatchMode.ignore_compile_internals), which torch {torch.__version__} lacks"
+        )
+    if not hasattr(torch._C._dynamo.guards, "set_is_in_mode_without_ignore_compile_internals"):
+        return (
+            f"on torch {torch.__version__} Dynamo's guards see the counting dispatch mode, so every compiled region "
+            "called during the counted step would recompile (torch 2.13 and 2.14.1 ignore it)"
         )
     return None
 
@@ -1532,11 +1540,14 @@ def _probe_flop_tally() -> None:
     assert unique_graphs() == graphs + 1, "a FlopTally's mode made Dynamo skip the frame"
     assert tally.total == 2 * 2 * 3 * 4, tally.total
     assert is_compiled_autograd_node(out.grad_fn), type(out.grad_fn).__name__
+    with tally.mode():
+        compiled(x, weight)  # the same call again: its guards pass, or (the problem named) they see the mode
+    recompiled = unique_graphs() != graphs + 1
+    assert recompiled == (flop_counting_problem() is not None), flop_counting_problem()
     fake = fake_tensor_mode()
     with fake:
         product = fake.from_tensor(torch.ones(2, 3)) @ torch.ones(3, 4)  # a real tensor is taken in
     assert product.shape == (2, 4) and type(product).__name__ == "FakeTensor"
-    assert flop_counting_problem() is None, flop_counting_problem()
     from torch.utils.flop_counter import flop_registry
 
     attention = torch.ops.aten._scaled_dot_product_efficient_attention  # grouped-query: 8 query heads, 2 KV heads
