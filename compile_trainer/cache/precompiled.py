@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -59,13 +60,11 @@ GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool, str]
 # the loading thread then blocked until the DataLoader's workers exited (4 of 6 runs of GPT-2 small under ``full``
 # on an H200 and an H100, torch 2.11: until the run was killed).
 _LOADING = threading.RLock()
-_FORKS_WAIT: List[bool] = []  # the fork hooks, once per process (they cannot be removed)
 
 
+@functools.cache  # the fork hooks, once per process (they cannot be removed)
 def _forks_wait_for_loading() -> None:
-    if not _FORKS_WAIT:
-        os.register_at_fork(before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release)
-        _FORKS_WAIT.append(True)
+    os.register_at_fork(before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release)
 
 
 def current_state() -> GlobalState:
@@ -261,14 +260,15 @@ class PrecompiledRegions:
         ]  # the state: repr(current_state()), literals only
         if work:
             _forks_wait_for_loading()
-            self._loading = threading.Thread(target=self._load_all, args=(work,), name="precompiled-load", daemon=True)
+            args = (work, device)
+            self._loading = threading.Thread(target=self._load_all, args=args, name="precompiled-load", daemon=True)
             self._loading.start()
 
-    def _load_all(self, work: List[Tuple[Artifact, CompiledRegion, GlobalState]]) -> None:
+    def _load_all(self, work: List[Tuple[Artifact, CompiledRegion, GlobalState]], device: str) -> None:
         started = time.perf_counter()
+        if device:  # this process's CUDA device: the thread's kernels load there
+            torch.cuda.set_device(device)
         for artifact, item, state in work:
-            if state[-1]:  # this process's CUDA device: the thread's kernels load there
-                torch.cuda.set_device(state[-1])
             with _LOADING, _entered(state):
                 why = self._load(artifact, item)
             if why is not None:

@@ -231,11 +231,8 @@ class ThroughputMeter:
         graphs were recorded: ``recorded_cuda_graphs``), ``WARMUP`` (kept out of steady state for another reason,
         such as CUDA graphs run unrecorded before their recording: ``warmed_up_cuda_graphs``) or ``STEADY``."""
         step, self._step = self._step, None
-        step.kind, step.recorded_cuda_graphs, step.warmed_up_cuda_graphs = (
-            kind,
-            recorded_cuda_graphs,
-            warmed_up_cuda_graphs,
-        )
+        step.kind = kind
+        step.recorded_cuda_graphs, step.warmed_up_cuda_graphs = recorded_cuda_graphs, warmed_up_cuda_graphs
         self._clock.stop(step)
         self._read(wait=False)
 
