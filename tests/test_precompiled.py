@@ -8,9 +8,7 @@ Inductor, is in test_compile_cache.py.
 
 import ast
 import importlib
-import os
 import sys
-import threading
 from dataclasses import replace
 
 import lightning.pytorch as pl
@@ -283,35 +281,6 @@ def test_a_run_the_bundle_serves_takes_its_flops_and_a_different_step_counts_its
     assert (served["flops_source"], served["flops_per_step"]) == ("compile cache", cold["flops_per_step"])
     other = _fit_counting_flops(tmp_path, batch_size=8)
     assert other["flops_source"] == "counted" and other["flops_per_step"] == pytest.approx(2 * cold["flops_per_step"])
-
-
-def test_a_fork_waits_for_the_artifact_the_loading_thread_is_loading():
-    """A fork (a DataLoader's workers) while the loading thread's ``Popen`` waits for its child's exec kept the
-    thread blocked until the forked workers exited (GPU runs): forks wait for the artifact being loaded."""
-    precompiled._forks_wait_for_loading()
-    holding, release, forked = threading.Event(), threading.Event(), threading.Event()
-
-    def load():
-        with precompiled._LOADING:
-            holding.set()
-            release.wait(timeout=30)
-
-    def fork():
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-        forked.set()
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    assert holding.wait(timeout=30)
-    forker = threading.Thread(target=fork)
-    forker.start()
-    assert not forked.wait(timeout=0.5), "the fork went ahead while an artifact was loading"
-    release.set()
-    assert forked.wait(timeout=30), "the fork waited past the load"
-    loader.join(), forker.join()
 
 
 def test_the_thread_loads_only_the_artifacts_of_this_processs_device(tmp_path):

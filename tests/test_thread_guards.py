@@ -1,8 +1,12 @@
-"""A guarded thread's process-wide side effects stay on it: FX's method patches, the compiling flag (and, in
-test_backends, the random-number restores)."""
+"""A guarded thread's process-wide side effects stay on it: FX's method patches, the compiling flag, subprocess
+starts beside forks (and, in test_backends, the random-number restores)."""
 
 import contextlib
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ from torch import nn
 from torch._dynamo.callback import callback_handler
 
 from compile_trainer import compat
-from compile_trainer.compiling.thread_guards import REPLACEMENTS, guarded_thread
+from compile_trainer.compiling.thread_guards import REPLACEMENTS, forks_wait, guarded_thread
 
 
 class PausesWhileTraced(nn.Module):
@@ -97,3 +101,72 @@ def test_a_compile_on_another_thread_makes_this_thread_compiling_unless_that_thr
     assert not is_compiling_seen_on_this_thread_while_another_compiles(guarded=True)
     assert {key: getattr(*key) for key in REPLACEMENTS} == originals, "the originals are back"
     assert not torch.compiler.is_compiling()
+
+
+def seconds_to_fork(started: threading.Event) -> float:
+    """How long ``os.fork()`` on this thread takes 0.3 s after ``started`` is set."""
+    assert started.wait(timeout=30)
+    time.sleep(0.3)
+    began = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    seconds = time.perf_counter() - began
+    os.waitpid(pid, 0)
+    return seconds
+
+
+def fork_while_another_thread_starts_a_subprocess(guarded: bool) -> float:
+    """The subprocess's child sleeps 1 s before its exec: the time in which ``Popen`` waits on a pipe that a fork
+    would copy into the forked process (and then wait for that process's exit)."""
+    started = threading.Event()
+
+    def start_subprocess():
+        with guarded_thread() if guarded else contextlib.nullcontext():
+            started.set()
+            subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: time.sleep(1.0), check=True)
+
+    thread = threading.Thread(target=start_subprocess)
+    thread.start()
+    try:
+        return seconds_to_fork(started)
+    finally:
+        thread.join()
+
+
+def test_a_fork_waits_while_a_guarded_threads_subprocess_starts():
+    """A fork (a DataLoader's workers) while a compile thread's ``Popen`` (Inductor's workers, gcc) starts its child
+    copied the pipe ``Popen`` waits on: the thread then waited for the forked process to exit (CPU: 5 of 150
+    subprocess starts beside forks of 2 s processes waited 2 s)."""
+    original = subprocess.Popen._execute_child
+    assert fork_while_another_thread_starts_a_subprocess(guarded=False) < 0.3, "a fork waits for nothing by itself"
+    waited = fork_while_another_thread_starts_a_subprocess(guarded=True)
+    assert waited > 0.4, f"the fork went ahead after {waited:.2f} s while the subprocess was starting"
+    assert subprocess.Popen._execute_child is original, "the original is back"
+
+
+def test_a_fork_waits_for_a_forks_wait_block():
+    """What the compile cache's loading thread holds around each artifact (it starts subprocesses)."""
+    holding, release, forked = threading.Event(), threading.Event(), threading.Event()
+
+    def load():
+        with forks_wait():
+            holding.set()
+            release.wait(timeout=30)
+
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        forked.set()
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert holding.wait(timeout=30)
+    forker = threading.Thread(target=fork)
+    forker.start()
+    assert not forked.wait(timeout=0.5), "the fork went ahead inside the block"
+    release.set()
+    assert forked.wait(timeout=30), "the fork waited past the block"
+    loader.join(), forker.join()

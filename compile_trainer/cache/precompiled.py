@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import logging
-import os
 import re
 import threading
 import time
@@ -45,6 +43,7 @@ from compile_trainer import compat
 from compile_trainer.cache.bundle import BundleError, CompileCacheWarning, decode, encode
 from compile_trainer.compiling.region_call import PRECOMPILED
 from compile_trainer.compiling.regions import CompiledRegion, kwargs_use_cuda_graphs
+from compile_trainer.compiling.thread_guards import forks_wait
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +52,6 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 GlobalState = Tuple[bool, bool, Tuple[Tuple[str, bool, str], ...], bool, str]
-
-# Held by the loading thread around each artifact's load; a fork of this process (``os.fork``: a DataLoader's
-# workers) waits for it. Loading starts subprocesses (Inductor's compile-worker pool, on a new machine), and a fork
-# while another thread's ``Popen`` waits for its child's exec copies the pipe it waits on into the forked process:
-# the loading thread then blocked until the DataLoader's workers exited (4 of 6 runs of GPT-2 small under ``full``
-# on an H200 and an H100, torch 2.11: until the run was killed).
-_LOADING = threading.RLock()
-
-
-@functools.cache  # the fork hooks, once per process (they cannot be removed)
-def _forks_wait_for_loading() -> None:
-    os.register_at_fork(before=_LOADING.acquire, after_in_parent=_LOADING.release, after_in_child=_LOADING.release)
 
 
 def current_state() -> GlobalState:
@@ -259,7 +246,6 @@ class PrecompiledRegions:
             if artifact.entry_key in by_entry and (state := ast.literal_eval(artifact.state))[-1] == device
         ]  # the state: repr(current_state()), literals only
         if work:
-            _forks_wait_for_loading()
             args = (work, device)
             self._loading = threading.Thread(target=self._load_all, args=args, name="precompiled-load", daemon=True)
             self._loading.start()
@@ -269,7 +255,11 @@ class PrecompiledRegions:
         if device:  # this process's CUDA device: the thread's kernels load there
             torch.cuda.set_device(device)
         for artifact, item, state in work:
-            with _LOADING, _entered(state):
+            # A fork (a DataLoader's workers) waits for the artifact: loading starts subprocesses (Inductor's
+            # compile-worker pool, on a new machine), and a fork while ``Popen`` starts one kept this thread blocked
+            # until the DataLoader's workers exited (4 of 6 runs of GPT-2 small under ``full`` on an H200 and an
+            # H100, torch 2.11: until the run was killed; ``thread_guards``)
+            with forks_wait(), _entered(state):
                 why = self._load(artifact, item)
             if why is not None:
                 self._failed_loads.append((artifact, item.region.name, why))

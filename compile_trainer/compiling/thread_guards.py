@@ -18,10 +18,18 @@ The compilers change process-wide state while they work, as if nothing else ran 
   eager code on the training thread then takes its compiled-code branches meanwhile. Collectives refuse to run
   (``self.all_gather(..., sync_grads=True)`` under DDP: "torch.distributed.nn.functional.all_gather is not
   supported under torch.compile"), and ``torch.optim`` takes its compiled-code paths.
+- The compilers start subprocesses (Inductor's compile workers and compile subprocess, the C++ compiler), while
+  the training thread forks (a DataLoader's workers). A fork while another thread's ``Popen`` starts its child
+  copies the pipes that ``Popen`` waits on into the forked process, and ``Popen`` then waits until that process
+  exits: a thread loading the compile cache's artifacts blocked until the run was killed in 4 of 6 runs (GPU,
+  torch 2.11); a guarded thread compiling four small functions with Inductor while the main thread forked a
+  process living 2 s every 10 ms had 6-8 of its 29 subprocess starts wait 2 s (36-38 s in all; 21-24 s with
+  forks waiting; two CPU cores, torch 2.13, 2026-11-27).
 
-Inside ``guarded_thread()`` all four are confined to the thread: its random-number restores do nothing (a thread
-that compiles without running has drawn nothing to undo), FX's method patches made on it apply to it alone, and
-its compiles leave the compiling flag alone. The code Dynamo traces on it is unchanged (Dynamo folds the
+Inside ``guarded_thread()`` all five are confined to the thread: its random-number restores do nothing (a thread
+that compiles without running has drawn nothing to undo), FX's method patches made on it apply to it alone,
+its compiles leave the compiling flag alone, and a fork waits while any thread starts a subprocess (a few
+milliseconds: until the child has exec'd). The code Dynamo traces on it is unchanged (Dynamo folds the
 ``is_compiling()`` calls it traces to True without reading the flag); code that the compilers run outside the
 trace on that thread (a tensor subclass's dispatch under AOTAutograd) sees False, as on torch before 2.13.
 While any guarded thread runs, the functions involved are replaced with thread-aware ones that let every other
@@ -32,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
+import subprocess
 import threading
 from typing import Any, Callable, Dict, Iterator, Set, Tuple
 
@@ -82,6 +92,34 @@ def _compiling_flag_left_alone_on_guarded_threads(session: Callable[..., Any]) -
     return session_unless_guarded
 
 
+# Held while a fork of this process must wait: a subprocess starting (any thread's, while a guarded thread runs),
+# or a block of ``forks_wait()``
+_forks_waiting = threading.RLock()
+
+
+@functools.cache  # the fork hooks, once per process (they cannot be removed); a no-op while nothing holds the lock
+def _forks_wait_for_the_lock() -> None:
+    lock = _forks_waiting
+    os.register_at_fork(before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release)
+
+
+@contextlib.contextmanager
+def forks_wait() -> Iterator[None]:
+    """A fork of this process (from any thread) waits until the block ends."""
+    _forks_wait_for_the_lock()
+    with _forks_waiting:
+        yield
+
+
+def _started_before_any_fork(execute_child: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(execute_child)
+    def execute_child_before_forks(*args: Any, **kwargs: Any) -> Any:
+        with _forks_waiting:  # from the pipes' creation to the child's exec, which closes them there
+            return execute_child(*args, **kwargs)
+
+    return execute_child_before_forks
+
+
 # (owner, attribute) -> how to make the thread-aware replacement of the original
 REPLACEMENTS: Dict[Tuple[Any, str], Callable[[Callable[..., Any]], Callable[..., Any]]] = {
     (torch.random, "set_rng_state"): _skipped_on_guarded_threads,
@@ -89,6 +127,8 @@ REPLACEMENTS: Dict[Tuple[Any, str], Callable[[Callable[..., Any]], Callable[...,
     (random, "setstate"): _skipped_on_guarded_threads,
     (compat.fx_patcher(), "patch_method"): _method_patches_confined_to_guarded_threads,
 }
+if hasattr(os, "register_at_fork"):  # POSIX: where a process forks
+    REPLACEMENTS[(subprocess.Popen, "_execute_child")] = _started_before_any_fork
 if compat.compile_session_owner() is not None:
     REPLACEMENTS[compat.compile_session_owner()] = _compiling_flag_left_alone_on_guarded_threads
 
@@ -127,6 +167,8 @@ def guarded_thread() -> Iterator[None]:
     with _lock:
         nested = ident in _guarded
         if not _guarded:
+            if (subprocess.Popen, "_execute_child") in REPLACEMENTS:
+                _forks_wait_for_the_lock()
             for (owner, name), replace in REPLACEMENTS.items():
                 _originals[(owner, name)] = original = getattr(owner, name)
                 setattr(owner, name, replace(original))
