@@ -24,7 +24,7 @@ EOF
 versions=${TORCH_VERSIONS:-"$oldest 2.14.1"}
 root=${TORCH_VERSIONS_DIR:-/tmp/compile_trainer_torch_versions}
 tests=(tests/test_compat.py tests/test_real_models.py tests/test_bucket_warmup.py tests/test_block_values.py tests/test_promoted_inputs.py
-  tests/test_rest_background.py tests/test_fit_telemetry.py)
+  tests/test_rest_background.py tests/test_fit_telemetry.py tests/test_thread_guards.py)
 stage=${1:-all}
 
 install() {
