@@ -100,6 +100,27 @@ def is_recompile_limit(fail_reason: str) -> bool:
     return any(text in fail_reason.lower() for text in RECOMPILE_LIMIT_TEXTS)
 
 
+# Dynamo's errors end with the user frames it traced ('from user code:', each 'File "f", line n, in name' and the
+# line's code); where the traced code raised, the debug context names the exception (2.13, 2.14.1)
+TRACED_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+(?:\n[ \t]+(\S.*))?')
+TRACED_EXCEPTION = re.compile(r"raised exception (.+)")
+
+
+def traced_error_summary(error: BaseException) -> str:
+    """A Dynamo error in one line: what failed (the exception the traced code raised, else the message's first line)
+    and the last user line it traced (``file.py:line `code```). Another error: its type and first line. Checked
+    2.9.1-2.14.1."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    raised = TRACED_EXCEPTION.search(text)
+    what = raised.group(1).strip() if raised else f"{type(error).__name__}: {first}" if first else type(error).__name__
+    frames = TRACED_USER_FRAME.findall(text)
+    if not frames:
+        return what
+    file, line, code = frames[-1]
+    return f"{what} at {os.path.basename(file)}:{line}" + (f" `{code.strip()}`" if code else "")
+
+
 # -- Dynamo: settings --------------------------------------------------------------------------------------
 
 
@@ -1128,6 +1149,23 @@ def _probe_fail_on_recompile() -> None:
         raise AssertionError("set_stance('fail_on_recompile') let a recompile through")
 
 
+def _probe_traced_error_summary() -> None:
+    def unpack(x: torch.Tensor, pair: Any = None) -> torch.Tensor:
+        first, second = pair
+        return x * first
+
+    try:
+        torch.compile(unpack, backend="eager", fullgraph=True)(torch.ones(1))
+    except Exception as error:  # noqa: BLE001 - the error is what is probed
+        summary = traced_error_summary(error)
+    else:
+        raise AssertionError("unpacking None compiled")
+    assert re.search(r" at compat\.py:\d+ `first, second = pair`$", summary), summary
+    assert traced_error_summary(TypeError("forward() missing 1 required positional argument: 'gate'")) == (
+        "TypeError: forward() missing 1 required positional argument: 'gate'"
+    )
+
+
 def _probe_graph_breaks() -> None:
     """A graph break adds a reason with its user stack, and each graph counts in ``unique_graphs``."""
     reasons, graphs = len(graph_break_reasons()), unique_graphs()
@@ -1565,6 +1603,7 @@ ENTRIES = [
     Entry("REQUIRES_GRAD_GUARD", _probe_requires_grad_guard),
     Entry("recompile_limit", _probe_recompile_limit),
     Entry("is_fail_on_recompile", _probe_fail_on_recompile),
+    Entry("traced_error_summary", _probe_traced_error_summary),
     Entry("graph_break_reasons", _probe_graph_breaks),
     Entry("cudagraph_skips", _probe_cudagraph_skips),
     Entry("set_compiler_collectives", _probe_compiler_collectives),

@@ -143,6 +143,11 @@ PLANS = {
         "LlamaForCausalLM's config (use_cache=True) builds in training too: the training forwards of model.model run "
         "without one (use_cache=False where the call does not ask for a cache), so the blocks share one graph; calls "
         "that pass a cache (evaluation, generation) run a graph per block",
+        # what the trial trace of one block (one tensor in) met, in words: the position embeddings it was not given
+        "note: 4 LlamaDecoderLayer blocks: no trial trace of one before training (called with one tensor of shape "
+        "(2, 4, 32): ",
+        " at modeling_llama.py:",
+        " `cos, sin = position_embeddings`); should the compiler specialize self_attn.layer_idx",
     ],
     "t5_6_layers": [
         "model.decoder.block.5 T5Block regional block 0 backend=aot_eager mode=default 5",

@@ -298,7 +298,7 @@ def trial_trace(
         with torch.enable_grad(), contextlib.suppress(_Traced):
             compiled(example)
     except Exception as error:  # a block that needs more than one tensor (a mask, position embeddings)
-        return {}, f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        return {}, f"called with one tensor of shape {tuple(example.shape)}: {compat.traced_error_summary(error)}"
     finally:
         shared.undo()
         for module, training in modes:
