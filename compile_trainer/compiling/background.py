@@ -289,9 +289,8 @@ class BackgroundCompile:
             name, error = self._failure
             self._failure = None
             self.state = "failed"
-            cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise BackgroundCompileError(
-                f"background compile of region {name!r} failed ({type(error).__name__}: {cause}); the model "
+                f"background compile of region {name!r} failed ({compat.traced_error_summary(error)}); the model "
                 "ran eagerly until now. Compile it in the foreground (background: false) to debug."
             ) from error
         self._stop_running_eagerly()

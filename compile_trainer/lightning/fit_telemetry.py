@@ -203,9 +203,8 @@ class FitTelemetry:
             self.flops_source = "counted" if self._flops else None
         except Exception as error:  # a compiled graph that cannot run on fake tensors, ...
             log.warning(
-                "FLOPs per step not measured (%s: %s); set telemetry.flops_per_step to get TFLOP/s and MFU",
-                type(error).__name__,
-                str(error).strip().splitlines()[0] if str(error).strip() else "",
+                "FLOPs per step not measured (%s); set telemetry.flops_per_step to get TFLOP/s and MFU",
+                compat.traced_error_summary(error),
             )
         self.throughput.flops_per_step = self._flops
 
