@@ -111,7 +111,7 @@ def traced_error_summary(error: BaseException) -> str:
     and the last user line it traced (``file.py:line `code```). Another error: its type and first line. Checked
     2.9.1-2.14.1."""
     text = str(error).strip()
-    first = text.splitlines()[0] if text else ""
+    first = " ".join(text.splitlines()[0].split())[:200] if text else ""  # Dynamo's can run on for a paragraph
     raised = TRACED_EXCEPTION.search(text)
     what = raised.group(1).strip() if raised else f"{type(error).__name__}: {first}" if first else type(error).__name__
     frames = TRACED_USER_FRAME.findall(text)

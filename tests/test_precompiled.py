@@ -148,7 +148,7 @@ def test_a_region_with_a_graph_break_is_named_and_compiles_as_usual(tmp_path):
     cache.save(["0"], 1.0, final=True)
     skipped = cache.summary(1.0)["cache_precompiled_skipped"]
     assert list(skipped) == ["0"], skipped
-    assert "(at telemetry_models.py:23 in forward: if x.sum().item() > 0:" in skipped["0"]  # the line that broke it
+    assert " at telemetry_models.py:23 `if x.sum().item() > 0:" in skipped["0"]  # the line that broke it
     assert "not precompiled: 0: " in cache.describe()
 
     # the bundle remembers it: the next run that compiles the region keeps no inputs, tries no capture again

@@ -27,13 +27,11 @@ from __future__ import annotations
 import ast
 import contextlib
 import logging
-import re
 import threading
 import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
@@ -139,17 +137,6 @@ class PendingCapture:
     training: List[Tuple[torch.nn.Module, bool]]
     args: Tuple
     kwargs: Dict[str, Any]
-
-
-def _why_not_captured(error: Exception) -> str:
-    """The error's first line and the user code it points at last (Dynamo's errors end with a long stack)."""
-    message = str(error)
-    first = " ".join(message.strip().split("\n")[0].split())[:200]
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s+(.+)', message)
-    if not frames:
-        return f"{type(error).__name__}: {first}"
-    path, line, function, code = frames[-1]
-    return f"{type(error).__name__}: {first} (at {Path(path).name}:{line} in {function}: {code.strip()})"
 
 
 def _torch_source(module: str) -> bool:
@@ -325,7 +312,7 @@ class PrecompiledRegions:
                 function = compat.aot_compile(item.entry, item.compile_kwargs, (module, *call.args), call.kwargs)
             data = compat.serialize_aot_compiled(function)
         except Exception as error:  # a graph break, a backend that cannot serialize: compiled as usual
-            self.skipped[item.region.name] = self.uncapturable[item.entry_key] = _why_not_captured(error)
+            self.skipped[item.region.name] = self.uncapturable[item.entry_key] = compat.traced_error_summary(error)
             log.info("compile cache: %s not precompiled (%s)", item.region.name, self.skipped[item.region.name])
             return
         finally:

@@ -127,7 +127,7 @@ class BucketWarmup:
         try:
             call.replay(item, args, kwargs)
         except Exception as error:  # noqa: BLE001 - the bucket then compiles at its first batch, as without warm-up
-            cause = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+            cause = compat.traced_error_summary(error)
             log.warning(
                 "compile warm-up of %s at length %d failed (%s); it compiles at its first batch of that length",
                 item.region.name,
