@@ -111,7 +111,11 @@ def traced_error_summary(error: BaseException) -> str:
     and the last user line it traced (``file.py:line `code```). Another error: its type and first line. Checked
     2.9.1-2.14.1."""
     text = str(error).strip()
-    first = " ".join(text.splitlines()[0].split())[:200] if text else ""  # Dynamo's can run on for a paragraph
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else ""
+    if first.endswith(":") and len(lines) > 1:  # "backend='inductor' raised:" and the backend's error below it
+        first = f"{first} {lines[1]}"
+    first = " ".join(first.split())[:200]  # Dynamo's can run on for a paragraph
     raised = TRACED_EXCEPTION.search(text)
     what = raised.group(1).strip() if raised else f"{type(error).__name__}: {first}" if first else type(error).__name__
     frames = TRACED_USER_FRAME.findall(text)
@@ -1164,6 +1168,15 @@ def _probe_traced_error_summary() -> None:
     assert traced_error_summary(TypeError("forward() missing 1 required positional argument: 'gate'")) == (
         "TypeError: forward() missing 1 required positional argument: 'gate'"
     )
+
+    def fails(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        raise RuntimeError("this backend compiles nothing")
+
+    try:
+        torch.compile(lambda x: x.sin(), backend=fails)(torch.ones(1))
+    except Exception as error:  # noqa: BLE001 - the error is what is probed
+        summary = traced_error_summary(error)
+    assert summary.endswith("raised: RuntimeError: this backend compiles nothing"), summary
 
 
 def _probe_graph_breaks() -> None:

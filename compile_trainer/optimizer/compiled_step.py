@@ -377,8 +377,7 @@ class _AutoTrial:
             owner.choose(dataclasses.replace(choice, clipping=owner.clipping))
 
     def _drop_compiled(self, error: Exception) -> None:
-        message = " ".join(str(error).split())[:300]
-        self.skipped["compiled"] = f"compile failed: {type(error).__name__}: {message}"
+        self.skipped["compiled"] = f"compile failed: {compat.traced_error_summary(error)}"
         log.warning("optimizer %s: auto: %s", type(self.owner.optimizer).__name__, self.skipped["compiled"])
         del self.timings["compiled"]
 
