@@ -117,7 +117,10 @@ def traced_error_summary(error: BaseException) -> str:
         first = f"{first} {lines[1]}"
     first = " ".join(first.split())[:200]  # Dynamo's can run on for a paragraph
     raised = TRACED_EXCEPTION.search(text)
-    what = raised.group(1).strip() if raised else f"{type(error).__name__}: {first}" if first else type(error).__name__
+    if raised:
+        what = raised.group(1).strip()
+    else:
+        what = f"{type(error).__name__}: {first}" if first else type(error).__name__
     frames = TRACED_USER_FRAME.findall(text)
     if not frames:
         return what

@@ -243,9 +243,7 @@ class PrecompiledRegions:
             torch.cuda.set_device(device)
         for artifact, item, state in work:
             # A fork (a DataLoader's workers) waits for the artifact: loading starts subprocesses (Inductor's
-            # compile-worker pool, on a new machine), and a fork while ``Popen`` starts one kept this thread blocked
-            # until the DataLoader's workers exited (4 of 6 runs of GPT-2 small under ``full`` on an H200 and an
-            # H100, torch 2.11: until the run was killed; ``thread_guards``)
+            # compile-worker pool, on a new machine), and a fork beside that start hung this thread (thread_guards)
             with forks_wait(), _entered(state):
                 why = self._load(artifact, item)
             if why is not None:

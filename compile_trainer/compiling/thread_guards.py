@@ -112,6 +112,8 @@ def forks_wait() -> Iterator[None]:
 
 
 def _started_before_any_fork(execute_child: Callable[..., Any]) -> Callable[..., Any]:
+    _forks_wait_for_the_lock()
+
     @functools.wraps(execute_child)
     def execute_child_before_forks(*args: Any, **kwargs: Any) -> Any:
         with _forks_waiting:  # from the pipes' creation to the child's exec, which closes them there
@@ -167,8 +169,6 @@ def guarded_thread() -> Iterator[None]:
     with _lock:
         nested = ident in _guarded
         if not _guarded:
-            if (subprocess.Popen, "_execute_child") in REPLACEMENTS:
-                _forks_wait_for_the_lock()
             for (owner, name), replace in REPLACEMENTS.items():
                 _originals[(owner, name)] = original = getattr(owner, name)
                 setattr(owner, name, replace(original))
