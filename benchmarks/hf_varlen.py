@@ -31,11 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, models  # noqa: E402
 from compile_trainer import apply_policy, compat, to_policy  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
+from compile_trainer.optimizer import compile_optimizer  # noqa: E402
 from compile_trainer.shapes.batch import BatchShaper  # noqa: E402
 from compile_trainer.shapes.bucket_warmup import BucketWarmup  # noqa: E402
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors  # noqa: E402
 from compile_trainer.telemetry.compile_events import WARMUP_PHASE, CompileTelemetry  # noqa: E402
 
+OPTIMIZERS = {"fused": "fused AdamW", "compiled": "AdamW with compile_optimizer's step (every variant)"}
 VARIANTS = ["plain", "dynamic", "dynamic_full", "dynamic_full_background", "buckets_auto", "fixed_length"]
 COLUMNS = [
     "variant", "first_step_s", "total_s", "vs_plain_total", "compile_s", "warmup_s", "steady_real_tokens_per_s",
@@ -68,6 +70,8 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     model, _, vocab = models.build_model("llama", args.smoke)
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    if args.optimizer == "compiled":  # every variant, the reference included: the library's step (Triton on CUDA)
+        compile_optimizer(optimizer, {"compile": "true"}, backend=args.backend)
     batches = stream(args, vocab)
     if args.variant in ("plain", "fixed_length"):
         batches = packed(batches, args) if args.variant == "fixed_length" else batches
@@ -80,7 +84,10 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         shaper = BatchShaper(policy.shapes)
         RegionShapeInterceptors(applied, shaper)
     train_step = common.training_step(optimizer, lambda batch: forward(**batch).loss, device, applied)
-    return run_stream(args, batches, policy, applied, shaper, train_step, device)
+    row = run_stream(args, batches, policy, applied, shaper, train_step, device)
+    if args.optimizer == "compiled":  # its first step runs the optimizer's own (the state does not exist yet)
+        row["optimizer_steps"] = {"compiled": optimizer.step.compiled_steps, "own": optimizer.step.eager_steps}
+    return row
 
 
 def run_stream(args, batches, policy, applied, shaper, train_step, device) -> Dict[str, Any]:
@@ -203,7 +210,7 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
     return [
         f"{args.steps} steps, batch {args.batch_size}, batch lengths uniform in {args.min_length}..{args.max_length} "
         f"(seed {args.seed}), every row of a batch of its length; HF Llama (16 layers, d 1024, vocab 32000), bf16 "
-        "autocast, fused AdamW; each variant in a fresh process with empty caches",
+        f"autocast, {OPTIMIZERS[args.optimizer]}; each variant in a fresh process with empty caches",
         "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
         "steady_real_tokens_per_s: the stream run again after it (every length compiled; with CUDA graphs the "
         "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
@@ -231,6 +238,9 @@ BENCHMARK = common.Benchmark(
         "--min-length": dict(type=int, default=64),
         "--max-length": dict(type=int, default=1024),
         "--seed": dict(type=int, default=0),
+        # fused: torch's fused AdamW; compiled: compile_optimizer's step (a fixed cost per step that short steps
+        # pay more often per token)
+        "--optimizer": dict(default="fused", choices=["fused", "compiled"]),
     },
     smoke=dict(steps=8, batch_size=2, min_length=8, max_length=64, backend="aot_eager"),
     finish=add_ratios,
