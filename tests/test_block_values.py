@@ -322,7 +322,10 @@ def test_a_timm_vit_with_stochastic_depth_shares_one_graph_across_its_probabilit
     keys = list(model.state_dict())
     applied = regional(model)
     table = format_plan_table(applied)
-    assert "5 TimmBlock blocks differ only in the floats drop_path1.drop_prob, drop_path2.drop_prob: one graph" in table
+    assert (
+        "5 TimmBlock blocks (model.blocks.1, model.blocks.2, model.blocks.3 and 2 more) differ only in the floats "
+        "drop_path1.drop_prob, drop_path2.drop_prob: one graph" in table
+    )
     assert len(block_entries(applied)) == 2 and "which the compiler specializes" not in table
     for batch in image_batches(3, 0):
         model(**batch).backward()
@@ -378,7 +381,9 @@ def test_a_float_that_is_zero_in_some_blocks_splits_them():
     blocks = [region for region in plan.regions if region.role == "block"]
     assert len({region.structure for region in blocks}) == 2
     assert [region.shared_floats for region in blocks] == [[]] * 3 + [["scale"]] * 3
-    assert "6 ScaledBlock blocks differ in structure (values scale): 2 compiled entries" in "\n".join(plan.notes)
+    notes = "\n".join(plan.notes)
+    assert "3 ScaledBlock blocks (0.3, 0.4, 0.5) differ only in the floats scale: one graph" in notes
+    assert "6 ScaledBlock blocks differ in structure (values scale): 2 compiled entries" in notes
 
 
 @pytest.fixture

@@ -34,6 +34,9 @@ CASES = {
     "vit": (CLASSIFIER, 1, 3),
     "beit": (CLASSIFIER, 2, 6),  # drop_path_rate 0.1: block 0 has none, the others share one graph
     "convnext": (CLASSIFIER, 4, 18),  # four stages of four widths: the blocks inside them, one graph per stage
+    # each stage's blocks alternate plain and shifted windows (a value that changes the graph): 8 blocks in 4
+    # structures, too little reuse to compile them apart
+    "swin": (CLASSIFIER, None, 8),
     "hf_resnet": (CLASSIFIER, None, 4),  # four stages of four widths: four structures
     "staged_resnet": ({}, None, 8),  # layer1's two blocks are alike; each later stage opens with a downsampling one
 }
@@ -42,7 +45,12 @@ CASES = {
 # drop_prob shares one graph on each (stochastic depth reads it from a tensor while compiled).
 CHECKED_LIKE_2_13 = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 # Entries per distinct structure, when regional_min_reuse: 0 keeps the blocks regional whatever their reuse.
-ENTRIES_WHEN_REGIONAL = {"t5": 4, "hf_resnet": 4, "staged_resnet": 7}
+ENTRIES_WHEN_REGIONAL = {"t5": 4, "swin": 4, "hf_resnet": 4, "staged_resnet": 7}
+# Swin's regional blocks: AdamW's normalized step amplifies the rounding of a near-zero gradient (one weight off by
+# 2.2e-5 after 4 steps, the losses equal to 1e-7).
+WEIGHTS_ATOL = {"swin": 1e-4}
+# Where the plan's compiled-whole note counts the stages instead (the blocks inside them reused too little).
+BLOCKS_WHEN_WHOLE = {"swin": 2}
 # What is compiled around the blocks (rest: auto): outer where enough weights lie outside them.
 COMPILED_AROUND = {"t5_6_layers": False, "convnext": False}
 
@@ -67,7 +75,7 @@ def assert_trains_like_eager(case, config, callback):
     _, compiled = fit(case, config, callback)
     torch.testing.assert_close(torch.stack(compiled.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
     for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=WEIGHTS_ATOL.get(case, 1e-5), msg=name)
     summary = callback.summary()
     whole = [item.region.role for item in callback.applied.compiled] == ["full"]
     if case == "t5" and whole and not CHECKED_LIKE_2_13:
@@ -102,7 +110,8 @@ def test_regional_trains_like_eager_without_recompiles_on_real_models(case):
     roles = [item.region.role for item in callback.applied.compiled]
     if block_entries is None:  # blocks share too little: the model is compiled whole, and the plan says why
         assert roles == ["full"], roles
-        assert any(f"{blocks} blocks in" in note and "compiled whole" in note for note in callback.applied.notes)
+        whole = f"{BLOCKS_WHEN_WHOLE.get(case, blocks)} blocks in"
+        assert any(whole in note and "compiled whole" in note for note in callback.applied.notes)
         return
     if COMPILED_AROUND.get(case, True):
         assert callback.summary()["declared_graph_breaks"] >= 1
@@ -112,7 +121,7 @@ def test_regional_trains_like_eager_without_recompiles_on_real_models(case):
     assert_blocks_share_entries(callback, block_entries, blocks)
 
 
-@pytest.mark.parametrize("case", ["staged_resnet", "t5"])
+@pytest.mark.parametrize("case", ["staged_resnet", "t5", "swin"])
 def test_blocks_that_share_little_stay_regional_when_asked_grouped_by_structure(case):
     config, _, blocks = CASES[case]
     callback = regional(regional_min_reuse=0)
@@ -167,10 +176,17 @@ PLANS = {
     ],
     "beit": [
         "model.beit.layers.5 BeitLayer regional block 0 backend=aot_eager mode=default 5",
-        "note: 5 BeitLayer blocks differ only in the floats drop_path.drop_prob: one graph, each block's values passed "
+        "note: 5 BeitLayer blocks (model.beit.layers.1, model.beit.layers.2, model.beit.layers.3 and 2 more) differ "
+        "only in the floats drop_path.drop_prob: one graph, each block's values passed "
         "to it as inputs (stochastic-depth probabilities as tensors, other floats as symbolic floats)",
         "note: 6 BeitLayer blocks differ in structure (parameter or submodule layout): 2 compiled entries, one per "
         "distinct structure",
+    ],
+    "swin": [  # the window shift that splits each stage's blocks, named
+        "note: model.swin.encoder.layers (ModuleList): 2 SwinStage children in 2 distinct structures (1.0 per graph); "
+        "the stacks inside them (model.swin.encoder.layers.0.blocks, model.swin.encoder.layers.1.blocks): 8 blocks in "
+        "4 structures (2.0 per graph; blocks of one layout in a stack split by shift_size (0, 2)): below "
+        "regional_min_reuse 3, the children are the blocks",
     ],
     "hf_resnet": [
         "note: model.resnet.encoder.stages (ModuleList): 4 ResNetStage children in 4 distinct structures (1.0 per "

@@ -99,6 +99,16 @@ def tiny_beit(**overrides) -> nn.Module:
     return transformers.BeitForImageClassification(transformers.BeitConfig(**(config | overrides)))
 
 
+def tiny_swin(**overrides) -> nn.Module:
+    """Swin: hierarchical stages whose blocks alternate plain and shifted windows (``shift_size``), stochastic depth
+    rising to the config's default ``drop_path_rate`` 0.1."""
+    config = dict(
+        image_size=IMAGE, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 6], num_heads=[2, 4], window_size=4,
+        num_labels=10,
+    )  # fmt: skip
+    return transformers.SwinForImageClassification(transformers.SwinConfig(**(config | overrides)))
+
+
 def tiny_hf_resnet(**overrides) -> nn.Module:
     config = transformers.ResNetConfig(
         embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[2, 2, 2, 2], layer_type="basic", num_labels=10,
@@ -265,6 +275,7 @@ FAMILIES: Dict[str, Callable] = {
     "hf_resnet": lambda seed: image_batches(4, seed),
     "convnext": lambda seed: image_batches(4, seed, size=64),  # 2x2 in the last stage, as 7x7 at 224
     "beit": lambda seed: image_batches(4, seed),
+    "swin": lambda seed: image_batches(4, seed),
     "staged_resnet": lambda seed: image_batches(4, seed),
 }
 BUILDERS: Dict[str, Callable[..., nn.Module]] = {
@@ -276,6 +287,7 @@ BUILDERS: Dict[str, Callable[..., nn.Module]] = {
     "hf_resnet": tiny_hf_resnet,
     "convnext": tiny_convnext,
     "beit": tiny_beit,
+    "swin": tiny_swin,
     "staged_resnet": StagedResNet,
 }
 

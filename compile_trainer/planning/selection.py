@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from compile_trainer.planning.structure import BlockGroups, Stack, Trial, group_blocks
+from compile_trainer.planning.structure import BlockGroups, Stack, Trial, describe_splits, group_blocks, listed
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError, Rule
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -184,8 +184,8 @@ def _stack_level(
     measured = (
         f"{container} ({kind}): {len(blocks)} {_classes(module, name, blocks)} children in {len(here.groups)} "
         f"distinct structures ({here.reuse:.1f} per graph); the stacks inside them "
-        f"({_listed([c for c, _ in deeper])}): {len(inside.keys)} blocks in {len(inside.groups)} structures "
-        f"({inside.reuse:.1f} per graph)"
+        f"({listed([c for c, _ in deeper])}): {len(inside.keys)} blocks in {len(inside.groups)} structures "
+        f"({inside.reuse:.1f} per graph{_split_by(inside)})"
     )
     if inside.reuse > here.reuse and inside.reuse >= min_reuse:
         notes.extend(inner_notes)
@@ -196,6 +196,10 @@ def _stack_level(
     return [(container, blocks)]
 
 
+def _split_by(groups: BlockGroups) -> str:
+    return f"; blocks of one layout in a stack split by {describe_splits(groups.splits)}" if groups.splits else ""
+
+
 def _grouped(module: nn.Module, name: str, stacks: List[Stack]) -> BlockGroups:
     relative = [(_relative(c, name), [_relative(b, name) for b in blocks]) for c, blocks in stacks]
     return group_blocks(module, relative, notes=False)
@@ -203,10 +207,6 @@ def _grouped(module: nn.Module, name: str, stacks: List[Stack]) -> BlockGroups:
 
 def _classes(module: nn.Module, name: str, blocks: List[str]) -> str:
     return "/".join(sorted({type(module.get_submodule(_relative(b, name))).__name__ for b in blocks}))
-
-
-def _listed(names: List[str], shown: int = 3) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tuple[str, nn.Module]]:
@@ -449,7 +449,7 @@ def resolve_plan(
         settings = policy.settings.overridden_by(rule)
         weightless = [n for n, m in matched if rule.action == "regional" and not _has_state(m)]
         if weightless:  # a loss, a metric: nothing to compile
-            plan.notes.append(f"{_listed(weightless)}: no parameters or buffers, left eager (rule {index})")
+            plan.notes.append(f"{listed(weightless)}: no parameters or buffers, left eager (rule {index})")
         for name, module in matched:
             if name in weightless:
                 continue

@@ -128,6 +128,8 @@ class BlockGroups:
     # what running ``cache_builders``' training forwards without a KV cache does (true only if the blocks stay
     # regional: a module compiled whole keeps its config's cache)
     cache_notes: List[str] = field(default_factory=list)
+    # plain values that split blocks of one stack and one tensor layout (Swin's window shift): path -> the values
+    splits: Dict[str, List[str]] = field(default_factory=dict)
 
     @property
     def groups(self) -> Dict[str, List[str]]:
@@ -158,6 +160,7 @@ def group_blocks(
     result = BlockGroups()
     by_class: Dict[type, List[str]] = {}
     index_of: Dict[str, List[str]] = {}  # block -> its stack's index attributes
+    splits_of: Dict[type, Dict[str, List[str]]] = {}
     for _, names in stacks:
         classes: Dict[type, List[str]] = {}
         for name in names:
@@ -166,11 +169,12 @@ def group_blocks(
             indices = index_attributes([root.get_submodule(name) for name in same])
             index_of.update({name: indices for name in same})
             by_class.setdefault(cls, []).extend(same)
+            _add_splits(splits_of.setdefault(cls, {}), [root.get_submodule(name) for name in same], indices)
     for cls, names in by_class.items():
         blocks = {name: root.get_submodule(name) for name in names}
         for name, block in blocks.items():
             result.keys[name] = structure_key(block, index_of[name])
-        tried = _tried(trial, blocks, result.keys, index_of) if trial is not None else []
+        tried = _tried(trial, blocks, result.keys, index_of, prefix) if trial is not None else []
         for name in names:
             result.indices.setdefault(result.keys[name], index_of[name])
         for key, members in _members(result.keys, names).items():
@@ -184,13 +188,16 @@ def group_blocks(
                 builders[builder[0]] = builder[1]
         result.cache_builders.update(builders)
         if notes:
-            result.notes += tried + _notes(cls, names, blocks, result, index_of)
+            result.notes += tried + _notes(cls, names, blocks, result, index_of, splits_of[cls], prefix)
             result.cache_notes += _cache_notes(cls, names, index_of, builders)
+    for splits in splits_of.values():
+        for path, values in splits.items():
+            result.splits[path] = sorted({*values, *result.splits.get(path, ())})
     return result
 
 
 def _tried(
-    trial: Trial, blocks: Dict[str, nn.Module], keys: Dict[str, str], index_of: Dict[str, List[str]]
+    trial: Trial, blocks: Dict[str, nn.Module], keys: Dict[str, str], index_of: Dict[str, List[str]], prefix: str
 ) -> List[str]:
     """Trace one block of each group whose blocks differ in floats or an index; where the compiler specializes one
     of them, give each value a key of its own (in ``keys``) and take it out of ``index_of``. Returns the notes."""
@@ -199,11 +206,11 @@ def _tried(
         floats, indices = _differing_floats([blocks[name] for name in members]), index_of[members[0]]
         if len(members) < 2 or not (floats or indices):
             continue
-        cls = type(blocks[members[0]]).__name__
+        cls = f"{type(blocks[members[0]]).__name__} blocks{_which(members, list(blocks), prefix)}"
         pinned, failed = trial(blocks[members[0]], floats, indices)
         if failed is not None:
             notes.append(
-                f"{len(members)} {cls} blocks: no trial trace of one before training ({failed}); should the compiler "
+                f"{len(members)} {cls}: no trial trace of one before training ({failed}); should the compiler "
                 f"specialize {', '.join([*floats, *indices])} at their first compile, the blocks move to an entry "
                 "per value then (a note says so)"
             )
@@ -217,7 +224,7 @@ def _tried(
         path, guard = next(iter(pinned.items()))
         entries = len({keys[name] for name in members})
         notes.append(
-            f"{len(members)} {cls} blocks differ in {', '.join(pinned)}, which the compiler specializes (a trial trace "
+            f"{len(members)} {cls} differ in {', '.join(pinned)}, which the compiler specializes (a trial trace "
             f"of one block before training guards on {path}: {guard}): {entries} compiled entries, one per value"
         )
     return notes
@@ -277,24 +284,61 @@ def _cache_notes(cls, names, index_of, builders) -> List[str]:
     ]
 
 
-def _notes(cls, names, blocks, groups: BlockGroups, index_of) -> List[str]:
+def _notes(cls, names, blocks, groups: BlockGroups, index_of, splits: Dict[str, List[str]], prefix) -> List[str]:
     notes = []
     keys = {groups.keys[name] for name in names}
     indices = sorted({path for name in names for path in index_of[name]})
-    for key in keys & set(groups.shared_floats):
-        count = sum(groups.keys[name] == key for name in names)
+    for key, members in _members(groups.keys, names).items():
+        if key not in groups.shared_floats:
+            continue
+        floats = ", ".join(groups.shared_floats[key])
         notes.append(
-            f"{count} {cls.__name__} blocks differ only in the floats {', '.join(groups.shared_floats[key])}: one "
-            "graph, each block's values passed to it as inputs (stochastic-depth probabilities as tensors, other "
+            f"{len(members)} {cls.__name__} blocks{_which(members, names, prefix)} differ only in the floats {floats}: "
+            "one graph, each block's values passed to it as inputs (stochastic-depth probabilities as tensors, other "
             "floats as symbolic floats)"
         )
     difference = _difference([blocks[name] for name in names], indices)
     if len(keys) > 1 and difference:
+        several_layouts = len({tensor_layout(blocks[name]) for name in names}) > 1  # else the values say it all
+        within = ""
+        if splits and several_layouts:
+            within = f"; within a stack, blocks of one layout split by {describe_splits(splits)}"
         notes.append(
-            f"{len(names)} {cls.__name__} blocks differ in structure ({difference}): "
+            f"{len(names)} {cls.__name__} blocks differ in structure ({difference}{within}): "
             f"{len(keys)} compiled entries, one per distinct structure"
         )
     return notes
+
+
+def listed(names: Sequence[str], shown: int = 3) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _which(members: Sequence[str], of: Sequence[str], prefix: str) -> str:
+    """`` (a, b and 2 more)`` where ``members`` are some of the blocks ``of`` one class: which group a note means."""
+    return "" if len(members) == len(of) else f" ({listed([f'{prefix}.{m}' if prefix else m for m in members])})"
+
+
+def _add_splits(splits: Dict[str, List[str]], blocks: Sequence[nn.Module], ignored: Sequence[str]) -> None:
+    """Into ``splits``: the values that differ between ``blocks`` (of one stack and class) of one tensor layout."""
+    by_layout: Dict[Any, List[Dict[str, Any]]] = {}
+    for block in blocks:
+        by_layout.setdefault(tensor_layout(block), []).append(plain_attributes(block))
+    for per_block in by_layout.values():
+        for path in sorted(set.intersection(*(set(attrs) for attrs in per_block)) - set(ignored)):
+            values = {_shown(attrs[path]) for attrs in per_block}
+            if len(values) > 1:
+                splits[path] = sorted(values | set(splits.get(path, ())))
+
+
+def describe_splits(splits: Dict[str, List[str]], shown: int = 3) -> str:
+    """``shift_size (0, 2)``: what splits blocks of one stack and layout, for a plan note."""
+    described = [f"{path} ({', '.join(values)})" for path, values in sorted(splits.items())]
+    return ", ".join(described[:shown]) + (" ..." if len(described) > shown else "")
+
+
+def _shown(value: Any) -> str:
+    return _float_marker(value) if type(value) is float else repr(value)
 
 
 def _difference(blocks: Sequence[nn.Module], ignored: Sequence[str]) -> str:
@@ -304,10 +348,7 @@ def _difference(blocks: Sequence[nn.Module], ignored: Sequence[str]) -> str:
     per_block = [plain_attributes(block) for block in blocks]
     paths = sorted(set.intersection(*(set(attrs) for attrs in per_block)) - set(ignored))  # held by every block
 
-    def shown(value: Any) -> str:
-        return _float_marker(value) if type(value) is float else repr(value)
-
-    differing = [path for path in paths if len({shown(attrs.get(path)) for attrs in per_block}) > 1]
+    differing = [path for path in paths if len({_shown(attrs.get(path)) for attrs in per_block}) > 1]
     if differing:
         reasons.append("values " + ", ".join(differing[:4]) + (" ..." if len(differing) > 4 else ""))
     return "; ".join(reasons)

@@ -156,21 +156,35 @@ def _cache_lookups() -> Tuple[int, int]:
 
 
 def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List[str]]]:
-    """entry name -> (label, region module names). Blocks sharing an entry are labelled by their container."""
+    """entry name -> (label, region module names). Blocks sharing an entry are labelled by their container, and
+    by their indices in it where entries share a container (Swin's plain and shifted blocks: ``blocks.{0,2,4}``)."""
     groups: Dict[str, List[str]] = {}
     for item in applied.compiled if applied is not None else []:
         groups.setdefault(item.entry_name, []).append(item.region.name)
+    by_container = {entry: _blocks_label(names) for entry, names in groups.items() if len(names) > 1}
+    shared = {label for label in by_container.values() if list(by_container.values()).count(label) > 1}
     labels = {}
     for entry, names in groups.items():
         if len(names) == 1:
             labels[entry] = (names[0], names)
         else:
-            parents = sorted({name.rsplit(".", 1)[0] if "." in name else "" for name in names})
-            labels[entry] = ("+".join(p or "<root>" for p in parents), names)
+            labels[entry] = (_blocks_label(names, indices=by_container[entry] in shared), names)
     for item in applied.compiled if applied is not None else []:
         if item.cache_entry is not None:  # a block's own entry for calls that pass a KV cache
             labels[item.cache_entry.__name__] = (f"{item.region.name} with a KV cache", [item.region.name])
     return labels
+
+
+def _blocks_label(names: List[str], indices: bool = False) -> str:
+    by_container: Dict[str, List[str]] = {}
+    for name in names:
+        container, _, index = name.rpartition(".")
+        by_container.setdefault(container, []).append(index)
+    labels = []
+    for container, held in sorted(by_container.items()):
+        within = f"{{{','.join(held)}}}" if indices else ""
+        labels.append(".".join(part for part in (container, within) if part) or "<root>")
+    return "+".join(labels)
 
 
 def _user_frame(stack: list) -> Optional[Any]:
