@@ -129,6 +129,16 @@ def test_blocks_that_share_little_stay_regional_when_asked_grouped_by_structure(
     assert_blocks_share_entries(callback, ENTRIES_WHEN_REGIONAL[case], blocks)
 
 
+def test_the_recompile_of_a_classifier_without_problem_type_says_to_set_it():
+    """A Hugging Face classification head sets config.problem_type at its first loss, which the whole-model graph
+    guards on: one recompile, whose fix names the setting."""
+    callback = CompileCallback("full", backend="aot_eager", telemetry={"measure_flops": False})
+    quiet_cpu_trainer(max_steps=2, callbacks=[callback]).fit(UserModule("vit"), datamodule=UserData("vit"))
+    recompiles = [event for event in callback.telemetry.compile.events if event.kind == "recompile"]
+    assert len(recompiles) == 1 and "problem_type" in recompiles[0].reason, callback.telemetry.compile.events
+    assert "set it in the config (problem_type='single_label_classification'" in recompiles[0].fix
+
+
 def test_checkpoints_of_a_real_model_load_both_ways(tmp_path):
     trainer, compiled = fit("llama", {"use_cache": False}, regional(), steps=2)
     trainer.save_checkpoint(tmp_path / "compiled.ckpt")

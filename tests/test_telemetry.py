@@ -148,6 +148,8 @@ def test_cuda_graph_skips_outside_compiles_are_counted_once():
         ("tensor 'L['args'][0]' size mismatch at index 1. expected 16, actual 32", 1, "compile=dynamic"),
         ("tensor 'L['args'][0]' size mismatch at index 0. expected 8, actual 3", 1, "drop_last=True"),
         ("L['scale'] == 0.5", 1, "recompile_limit"),
+        ("L['module'].config.problem_type is None", 1, "problem_type='single_label_classification'"),
+        ("tensor 'L['args'][0]' stride mismatch at index 2. expected 128, actual 1", 1, ".contiguous()"),
     ],
 )
 def test_recompile_advice_fits_the_guard_that_failed(guard, shared_by, expected):

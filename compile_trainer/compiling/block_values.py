@@ -127,16 +127,26 @@ class StochasticDepthBuffers:
             owner._buffers.pop(KEEP_BUFFER, None)
 
 
+def _shareable_probability(block: nn.Module, path: str) -> Optional[Tuple[nn.Module, str]]:
+    """(the stochastic-depth module, its probability's attribute) where ``path`` in ``block`` names a probability
+    that ``share_stochastic_depth`` can read from a tensor; None otherwise."""
+    owner_path, _, attribute = path.rpartition(".")
+    owner = block.get_submodule(owner_path) if owner_path else block
+    if _stochastic_depth(owner) != attribute or not 0 <= getattr(owner, attribute) < 1:
+        return None
+    return owner, attribute
+
+
 def share_stochastic_depth(block: nn.Module, floats: Sequence[str]) -> StochasticDepthBuffers:
     """Make the stochastic-depth modules of ``block`` that own one of ``floats`` take their probability from a
     tensor when compiled (``_stochastic_depth_compiled``; eager calls unchanged)."""
     device = next((p.device for p in block.parameters()), None)
     owners = []
     for path in floats:
-        owner_path, _, attribute = path.rpartition(".")
-        owner = block.get_submodule(owner_path) if owner_path else block
-        if _stochastic_depth(owner) != attribute or "forward" in vars(owner) or not 0 <= getattr(owner, attribute) < 1:
+        shareable = _shareable_probability(block, path)
+        if shareable is None or "forward" in vars(shareable[0]):
             continue
+        owner, attribute = shareable
         owner.register_buffer(KEEP_BUFFER, torch.tensor(1.0 - getattr(owner, attribute), device=device), False)
         owner.forward = types.MethodType(_stochastic_depth_compiled, owner)
         owners.append((owner, attribute))
@@ -249,7 +259,9 @@ def example_input(block: nn.Module) -> Optional[torch.Tensor]:
     """An input of the shape the block's first layer with weights takes (zeros: no random numbers drawn), or None
     where that layer gives no shape: a token sequence ``(2, 4, features)`` for a norm or a linear layer, an image
     ``(2, channels, 8, 8)`` for a 2-d convolution."""
-    first = next((m for m in block.modules() if any(True for _ in m.parameters(recurse=False))), None)
+    with_weights = [m for m in block.modules() if any(True for _ in m.parameters(recurse=False))]
+    shaped = (nn.Conv2d, nn.Linear, nn.LayerNorm)  # a block's own 1-d parameters (a layer scale) say less
+    first = next((m for m in with_weights if isinstance(m, shaped)), with_weights[0] if with_weights else None)
     if first is None:
         return None
     weight = next(first.parameters(recurse=False))
@@ -273,7 +285,10 @@ def trial_trace(
     """Which per-block values the compiler specializes, seen before training: Dynamo traces ``block`` once in
     training mode (gradients on, ``floats`` primed as symbolic as in its entry) on ``example_input``; the graph is
     handed to no compiler and never run. Returns (path -> the guard that pins its value, None), or ({}, why no trace
-    was made): the first real compile then shows it (``SharedValues``)."""
+    was made): the first real compile then shows it (``SharedValues``). Stochastic-depth probabilities alone need
+    no trace: compiled, they are read from a tensor (``share_stochastic_depth``)."""
+    if not indices and all(_shareable_probability(block, path) is not None for path in floats):
+        return {}, None
     example = example_input(block)
     if example is None:
         return {}, "no input shape known from its first layer"

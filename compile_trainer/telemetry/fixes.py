@@ -56,6 +56,12 @@ def recompile_fix(guard: str, shared_by: int = 1) -> str:
             "shared entry (a training call passing use_cache=True or a cache); pass use_cache=False there (or set "
             "model.config.use_cache = False) so they share one graph"
         )
+    if "problem_type" in text:
+        return (
+            "a Hugging Face classification head sets config.problem_type at its first loss: set it in the config "
+            "(problem_type='single_label_classification', 'multi_label_classification' or 'regression') to compile "
+            "once"
+        )
     if MODULE_GUARD.search(guard):
         if shared_by > 1:
             return (
@@ -70,7 +76,13 @@ def recompile_fix(guard: str, shared_by: int = 1) -> str:
             "the batch size changed (a smaller last batch, or another batch size in validation): drop_last=True "
             "in the DataLoader, or mark dim 0 dynamic (shapes.dynamic: [{entry: ..., dim: 0}])"
         )
-    if size is not None or "stride mismatch" in text or "<=" in text or ">=" in text:
+    if "stride mismatch" in text:
+        return (
+            "an input's memory layout changed between calls (a transposed or channels-last tensor, or a dimension "
+            "of size 1 laid out another way): make the input contiguous (.contiguous()) before the region, or "
+            "give the module an `eager` rule"
+        )
+    if size is not None or "<=" in text or ">=" in text:
         return (
             "the sequence length (or another size) varies: compile=dynamic (mark it dynamic from the first "
             "compile) or compile=buckets (pad to a few lengths, one static graph each)"
