@@ -106,6 +106,7 @@ class CountingModule(pl.LightningModule):
         self.calls = 0
         self.batches_seen = torchmetrics.SumMetric()
         self.mean_loss = torchmetrics.MeanMetric()
+        self.step_total = torchmetrics.SumMetric()  # called (its forward): the step's value, accumulated too
 
     def training_step(self, batch, batch_idx):
         self.calls += 1
@@ -113,6 +114,7 @@ class CountingModule(pl.LightningModule):
         self.batches_seen.update(batch_total(batch))
         self.mean_loss.update(loss.detach())
         self.log("mean_loss", self.mean_loss.compute())  # the mean over every batch seen so far
+        self.log("step_total", self.step_total(batch_total(batch)))
         return loss
 
     def configure_optimizers(self):
@@ -126,7 +128,8 @@ class LoggedValues(pl.Callback):
         self.values = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.values.append(float(trainer.callback_metrics["mean_loss"]))
+        metrics = trainer.callback_metrics
+        self.values.append((float(metrics["mean_loss"]), float(metrics["step_total"])))
 
 
 def train(name: str, *callbacks):
@@ -194,5 +197,7 @@ def test_user_code_runs_once_per_step_and_flops_are_counted(policy, name, overri
     assert module.calls == calls == STEPS, "training_step ran more often than Lightning ran it"
     assert torch.equal(module.batches_seen.compute(), seen), "the metric saw other batches than eager training"
     assert logged == pytest.approx(eager_logged, rel=1e-4, abs=1e-5), "self.log gave other values"
+    # a metric is a module without weights: never compiled (its state changes at every call: a recompile each step)
+    assert not any(item.region.name.startswith("step_total") for item in callback.applied.compiled)
     summary = callback.summary()
     assert summary["flops_per_step"] == reference_flops(name, padded_length(policy)) > 0

@@ -447,8 +447,8 @@ def resolve_plan(
         if not matched:
             raise PolicyError(f"rule {index} {rule.describe()} matches no module; {_nearest(rule, modules)}.")
         settings = policy.settings.overridden_by(rule)
-        weightless = [n for n, m in matched if rule.action == "regional" and not _has_state(m)]
-        if weightless:  # a loss, a metric: nothing to compile
+        weightless = [n for n, m in matched if _skips_weightless(rule) and not _has_state(m)]
+        if weightless:  # a loss, a metric: nothing to compile (a metric's update would recompile at every step)
             plan.notes.append(f"{listed(weightless)}: no parameters or buffers, left eager (rule {index})")
         for name, module in matched:
             if name in weightless:
@@ -458,6 +458,12 @@ def resolve_plan(
                 _place(plan, index, item_name, region, policy.rules)
     plan.regions.sort(key=lambda r: list(modules).index(r.name))
     return plan
+
+
+def _skips_weightless(rule: Rule) -> bool:
+    """A regional rule, or a full one that selects by a name pattern (``*``: every top-level submodule), leaves a
+    module without parameters or buffers eager; a full rule that names the module compiles it as asked."""
+    return rule.action == "regional" or (rule.action == "full" and any(c in (rule.name or "") for c in "*?["))
 
 
 def _place(plan: CompilePlan, index: int, name: str, region: Optional[Region], rules: List[Rule]) -> None:

@@ -8,7 +8,7 @@ the attention mask) and, on a GPU, MFU.
 
     python docs/examples/hf_causal_lm.py                     # CPU: the `dynamic` policy, Inductor
     python docs/examples/hf_causal_lm.py --policy none       # the eager baseline, with the same telemetry
-    python docs/examples/hf_causal_lm.py --policy dynamic_full_background --precision bf16-mixed \
+    python docs/examples/hf_causal_lm.py --policy dynamic_full --precision bf16-mixed --steps 300 \
         --layers 16 --hidden 1024 --heads 16 --max-length 1024    # a GPU: one graph, lengths padded to 64s
 
 Rows of varying length are what ``dynamic`` is for: the blocks compile once, dynamic in batch size and length,

@@ -8,7 +8,7 @@ a disc, a square or a ring of random colour, size and place on a noisy backgroun
     python docs/examples/vision_classifier.py                  # CPU: regional, Inductor
     python docs/examples/vision_classifier.py --policy none    # the eager baseline, with the same telemetry
     python docs/examples/vision_classifier.py --image-size 224 --depths 3 3 9 3 --widths 96 192 384 768 \\
-        --batch-size 64 --precision bf16-mixed                 # a GPU: ConvNeXt-T's shape
+        --batch-size 64 --lr 5e-4 --precision bf16-mixed       # a GPU: ConvNeXt-T's shape
 
 ``regional`` finds the repeated blocks inside the stages (their widths differ, the blocks within one do not),
 compiles one graph per stage for them, and passes each block's drop-path probability to that graph as an input.
@@ -50,7 +50,7 @@ def shapes_dataset(count: int, size: int, seed: int) -> TensorDataset:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, depths, widths, lr: float = 2e-3):
+    def __init__(self, depths, widths, lr: float):
         super().__init__()
         config = transformers.ConvNextConfig(
             depths=list(depths), hidden_sizes=list(widths), drop_path_rate=0.1, num_labels=len(SHAPES)
@@ -88,12 +88,13 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs=4, default=[16, 32, 64, 128])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--images", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3, help="OneCycle's peak")
     parser.add_argument("--precision", default="32-true", help="Lightning's: 32-true, bf16-mixed, 16-mixed")
     parser.add_argument("--out", default="outputs/examples/vision_classifier")
     args = parser.parse_args()
 
     pl.seed_everything(0)
-    model = Classifier(args.depths, args.widths)
+    model = Classifier(args.depths, args.widths, args.lr)
     train = DataLoader(shapes_dataset(args.images, args.image_size, 0), args.batch_size, shuffle=True, drop_last=True)
     val = DataLoader(shapes_dataset(args.batch_size * 8, args.image_size, 1), args.batch_size)
     overrides = {"backend": args.backend} if args.backend else {}
