@@ -284,7 +284,7 @@ def _cache_notes(cls, names, index_of, builders) -> List[str]:
     ]
 
 
-def _notes(cls, names, blocks, groups: BlockGroups, index_of, splits: Dict[str, List[str]], prefix) -> List[str]:
+def _notes(cls, names, blocks, groups: BlockGroups, index_of, splits: Dict[str, List[str]], prefix: str) -> List[str]:
     notes = []
     keys = {groups.keys[name] for name in names}
     indices = sorted({path for name in names for path in index_of[name]})
