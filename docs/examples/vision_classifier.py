@@ -10,8 +10,9 @@ a disc, a square or a ring of random colour, size and place on a noisy backgroun
     python docs/examples/vision_classifier.py --image-size 224 --depths 3 3 9 3 --widths 96 192 384 768 \\
         --batch-size 64 --lr 5e-4 --precision bf16-mixed       # a GPU: ConvNeXt-T's shape
 
-``regional`` finds the repeated blocks inside the stages (their widths differ, the blocks within one do not),
-compiles one graph per stage for them, and passes each block's drop-path probability to that graph as an input.
+``regional`` finds the repeated blocks inside the stages (their widths differ, the blocks within one do not) and
+compiles one graph per stage for them (and one for the very first block, whose drop path is off), passing each
+block's drop-path probability to its graph as an input: 5 graphs for 18 blocks.
 """
 
 import argparse
