@@ -38,6 +38,7 @@ LONG_FILES = (
     "test_optimizer.py", "test_train_script.py", "test_shapes_training.py", "test_compile_cache_benchmark.py",
     "test_real_models.py", "test_distributed_benchmark.py", "test_train_step_benchmark.py", "test_sweep.py",
     "test_hf_varlen_benchmark.py", "test_lightning_dropin_benchmark.py", "test_block_values.py",
+    "test_runnable_examples.py",
 )  # fmt: skip
 
 
