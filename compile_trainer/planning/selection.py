@@ -14,7 +14,15 @@ from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
-from compile_trainer.planning.structure import BlockGroups, Stack, Trial, describe_splits, group_blocks, listed
+from compile_trainer.planning.structure import (
+    BlockGroups,
+    Stack,
+    Trial,
+    describe_splits,
+    group_blocks,
+    join_name,
+    listed,
+)
 from compile_trainer.schema import CompilePolicy, CompileSettings, PolicyError, Rule
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -82,6 +90,9 @@ def _behind_break(name: str, region: Region) -> bool:
     return any(_is_inside(name, b) for b in region.breaks)
 
 
+GLOB_WILDCARDS = "*?"  # what _glob_regex reads as a wildcard; any other character matches itself
+
+
 @lru_cache(maxsize=256)
 def _glob_regex(pattern: str) -> re.Pattern[str]:
     """``*`` matches one dotted segment (or part of it), ``**`` any number of segments."""
@@ -139,17 +150,13 @@ def find_repeated_blocks(module: nn.Module, prefix: str = "") -> List[Tuple[str,
         children = list(node.named_children())
         classes = {type(child) for _, child in children}
         if isinstance(node, BLOCK_CONTAINERS) and len(children) >= 2 and len(classes) == 1:
-            found.append((name, [_join(name, child_name) for child_name, _ in children]))
+            found.append((name, [join_name(name, child_name) for child_name, _ in children]))
             return
         for child_name, child in children:
-            visit(_join(name, child_name), child)
+            visit(join_name(name, child_name), child)
 
     visit(prefix, module)
     return found
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def find_block_stacks(module: nn.Module, name: str, min_reuse: float, notes: List[str]) -> List[Stack]:
@@ -218,7 +225,7 @@ def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tup
         return [(name, module)]
     roots: List[Tuple[str, nn.Module]] = []
     for child_name, child in module.named_children():
-        roots.extend(_rest_roots(_join(name, child_name), child, containers))
+        roots.extend(_rest_roots(join_name(name, child_name), child, containers))
     return roots
 
 
@@ -463,7 +470,7 @@ def resolve_plan(
 def _skips_weightless(rule: Rule) -> bool:
     """A regional rule, or a full one that selects by a name pattern (``*``: every top-level submodule), leaves a
     module without parameters or buffers eager; a full rule that names the module compiles it as asked."""
-    return rule.action == "regional" or (rule.action == "full" and any(c in (rule.name or "") for c in "*?["))
+    return rule.action == "regional" or (rule.action == "full" and any(c in (rule.name or "") for c in GLOB_WILDCARDS))
 
 
 def _place(plan: CompilePlan, index: int, name: str, region: Optional[Region], rules: List[Rule]) -> None:

@@ -253,7 +253,7 @@ def cache_builder(
     whose config builds a KV cache) when the blocks run under a cache-building decoder config, else None."""
     parts = block.split(".")
     inside = [".".join(parts[:i]) for i in range(len(parts))]
-    chain = [*above, *((".".join(p for p in (prefix, name) if p), root.get_submodule(name)) for name in inside)]
+    chain = [*above, *((join_name(prefix, name), root.get_submodule(name)) for name in inside)]
     decoder = kv_cache_config([module for _, module in chain])
     if decoder is None:
         return None
@@ -314,9 +314,14 @@ def listed(names: Sequence[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
+def join_name(prefix: str, name: str) -> str:
+    """``name`` qualified by ``prefix`` (modules' dotted names; either empty for the root)."""
+    return ".".join(part for part in (prefix, name) if part)
+
+
 def _which(members: Sequence[str], of: Sequence[str], prefix: str) -> str:
     """`` (a, b and 2 more)`` where ``members`` are some of the blocks ``of`` one class: which group a note means."""
-    return "" if len(members) == len(of) else f" ({listed([f'{prefix}.{m}' if prefix else m for m in members])})"
+    return "" if len(members) == len(of) else f" ({listed([join_name(prefix, m) for m in members])})"
 
 
 def _add_splits(splits: Dict[str, List[str]], blocks: Sequence[nn.Module], ignored: Sequence[str]) -> None:
@@ -325,10 +330,16 @@ def _add_splits(splits: Dict[str, List[str]], blocks: Sequence[nn.Module], ignor
     for block in blocks:
         by_layout.setdefault(tensor_layout(block), []).append(plain_attributes(block))
     for per_block in by_layout.values():
-        for path in sorted(set.intersection(*(set(attrs) for attrs in per_block)) - set(ignored)):
-            values = {_shown(attrs[path]) for attrs in per_block}
-            if len(values) > 1:
-                splits[path] = sorted(values | set(splits.get(path, ())))
+        for path, values in _differing_values(per_block, ignored).items():
+            splits[path] = sorted(values | set(splits.get(path, ())))
+
+
+def _differing_values(per_block: Sequence[Dict[str, Any]], ignored: Sequence[str]) -> Dict[str, set]:
+    """path -> the values seen (floats by ``_float_marker``), for the plain values held by every block that differ
+    between them, ``ignored`` left out; in path order."""
+    paths = sorted(set.intersection(*(set(attrs) for attrs in per_block)) - set(ignored))
+    values = {path: {_shown(attrs[path]) for attrs in per_block} for path in paths}
+    return {path: seen for path, seen in values.items() if len(seen) > 1}
 
 
 def describe_splits(splits: Dict[str, List[str]], shown: int = 3) -> str:
@@ -345,10 +356,7 @@ def _difference(blocks: Sequence[nn.Module], ignored: Sequence[str]) -> str:
     """A short account of what splits blocks of one class (floats that differ but stay shared are left out)."""
     layouts = {tensor_layout(block) for block in blocks}
     reasons = ["parameter or submodule layout"] if len(layouts) > 1 else []
-    per_block = [plain_attributes(block) for block in blocks]
-    paths = sorted(set.intersection(*(set(attrs) for attrs in per_block)) - set(ignored))  # held by every block
-
-    differing = [path for path in paths if len({_shown(attrs.get(path)) for attrs in per_block}) > 1]
+    differing = list(_differing_values([plain_attributes(block) for block in blocks], ignored))
     if differing:
         reasons.append("values " + ", ".join(differing[:4]) + (" ..." if len(differing) > 4 else ""))
     return "; ".join(reasons)

@@ -19,6 +19,7 @@ graph break split off run below it); a lazy backward compile shares its forward'
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import re
@@ -162,13 +163,15 @@ def region_labels(applied: Optional[AppliedPolicy]) -> Dict[str, Tuple[str, List
     for item in applied.compiled if applied is not None else []:
         groups.setdefault(item.entry_name, []).append(item.region.name)
     by_container = {entry: _blocks_label(names) for entry, names in groups.items() if len(names) > 1}
-    shared = {label for label in by_container.values() if list(by_container.values()).count(label) > 1}
+    entries_per_label = collections.Counter(by_container.values())
     labels = {}
     for entry, names in groups.items():
         if len(names) == 1:
             labels[entry] = (names[0], names)
+        elif entries_per_label[by_container[entry]] > 1:
+            labels[entry] = (_blocks_label(names, indices=True), names)
         else:
-            labels[entry] = (_blocks_label(names, indices=by_container[entry] in shared), names)
+            labels[entry] = (by_container[entry], names)
     for item in applied.compiled if applied is not None else []:
         if item.cache_entry is not None:  # a block's own entry for calls that pass a KV cache
             labels[item.cache_entry.__name__] = (f"{item.region.name} with a KV cache", [item.region.name])
