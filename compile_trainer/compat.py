@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import itertools
 import logging
 import os
@@ -62,6 +63,29 @@ def compilation_metrics() -> Any:
     ``recompile_reason`` from 2.7; checked 2.9.1-2.13.
     """
     return torch._dynamo.utils.get_compilation_metrics()
+
+
+def functions_closed_over() -> Tuple[int, ...]:
+    """From a Dynamo compile-start callback: the functions the frame being compiled closes over (the ``id`` of each
+    closure cell holding one), read from the arguments of ``convert_frame._compile`` on the stack (checked 2.9.1,
+    2.13, 2.14.1). A decorator's wrapper is one code object serving every function it wraps, told apart by its
+    ``func`` cell: Dynamo caches its graphs per code object, so the second function's first compile reads as a
+    recompile. () where the frame closes over no function (or ``_compile`` is not on the stack)."""
+    from torch._dynamo import convert_frame
+
+    target = inspect.unwrap(convert_frame._compile).__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not target:
+        frame = frame.f_back
+    if frame is None:
+        return ()
+    contents = []
+    for cell in frame.f_locals.get("closure") or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return tuple(id(value) for value in contents if isinstance(value, (types.FunctionType, types.MethodType)))
 
 
 def graph_break_reasons() -> list:
@@ -1092,6 +1116,31 @@ def _probe_callback_handler() -> None:
     assert seen[0][2] == seen[1][2] and re.fullmatch(r"\d+/\d+", seen[0][2]), seen
 
 
+def _probe_functions_closed_over() -> None:
+    handler = dynamo_callback_handler()
+    seen: List[Tuple[int, ...]] = []
+
+    def on_start(args: Any) -> None:
+        seen.append(functions_closed_over())
+
+    def wrap(function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(x: torch.Tensor) -> torch.Tensor:
+            return function(x)
+
+        return wrapper
+
+    wrapped = [_fresh(_double), _fresh(_double)]
+    first = _fresh(wrap(wrapped[0]))  # a code object of its own, then a second function sharing it
+    second = types.FunctionType(first.__code__, first.__globals__, first.__name__, None, (types.CellType(wrapped[1]),))
+    handler.register_start_callback(on_start)
+    try:
+        for function in (first, second):
+            torch.compile(function, backend="eager")(torch.ones(2))
+    finally:
+        handler.remove_start_callback(on_start)
+    assert seen == [(id(wrapped[0]),), (id(wrapped[1]),)], seen
+
+
 def _probe_compilation_metrics() -> None:
     """The fields the telemetry reads: the frame (name, file, line), the compile id, a recompile's reason."""
     function = _fresh(_double)
@@ -1615,6 +1664,7 @@ def _probe_flop_tally() -> None:
 ENTRIES = [
     Entry("dynamo_callback_handler", _probe_callback_handler),
     Entry("compilation_metrics", _probe_compilation_metrics),
+    Entry("functions_closed_over", _probe_functions_closed_over),
     Entry("GRAD_MODE_GUARD", _probe_grad_mode_guard),
     Entry("REQUIRES_GRAD_GUARD", _probe_requires_grad_guard),
     Entry("recompile_limit", _probe_recompile_limit),

@@ -1,5 +1,5 @@
 """The bundled ``regional`` policy on models nobody here wrote (tests/user_models.py): transformers' Llama,
-GPT-2, BERT, T5, ViT, BEiT (a ViT with stochastic depth), ConvNeXt and ResNet, a torchvision-style ResNet-18 and
+GPT-2, BERT, T5, BART, ViT, BEiT (a ViT with stochastic depth), ConvNeXt and ResNet, a torchvision-style ResNet-18 and
 lightning-hydra-template's MNIST module, from configs with random weights.
 
 Each trains under a real Lightning Trainer (a sanity check, 4 steps, validation) eagerly and under the policy
@@ -31,6 +31,8 @@ CASES = {
     "bert": ({}, 1, 3),  # an encoder builds no cache, whatever its config says: the index is not read
     "t5": ({}, None, 4),  # block 0 of each stack holds the relative position bias; encoder and decoder blocks differ
     "t5_6_layers": ({"num_layers": 6, "num_decoder_layers": 6}, 4, 12),  # the same four structures, 3 per graph
+    # decorated forwards (one wrapper's code for several functions) compiled as frames around the stacks' breaks
+    "bart": ({}, 2, 6),
     "vit": (CLASSIFIER, 1, 3),
     "beit": (CLASSIFIER, 2, 6),  # drop_path_rate 0.1: block 0 has none, the others share one graph
     "convnext": (CLASSIFIER, 4, 18),  # four stages of four widths: the blocks inside them, one graph per stage

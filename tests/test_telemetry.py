@@ -1,5 +1,6 @@
 """Compile telemetry: graph breaks, recompiles and the recompile limit, read from Dynamo's own records."""
 
+import functools
 import logging
 
 import pytest
@@ -75,6 +76,44 @@ def test_shape_change_is_reported_as_a_recompile_with_its_guard():
     stats = telemetry.regions["blocks"]
     assert (stats.compiles, stats.recompiles, stats.graphs) == (2, 1, 2)
     assert stats.modules == ["blocks.0", "blocks.1"]
+
+
+def decorate(function):
+    """A decorator as transformers' ``can_return_tuple``: one wrapper code object for every function it wraps."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_wrapper_serving_two_functions_compiles_once_for_each_and_still_reports_its_recompiles():
+    """A graph break inside a decorated function called from another makes Dynamo compile the wrappers as frames of
+    their own: the inner function's wrapper is Dynamo's second compile of that code object, the first of its
+    function (no recompile). Called again with its arguments passed otherwise, a wrapper recompiles."""
+
+    @decorate
+    def inner(x):
+        torch._dynamo.graph_break()
+        return x * 2
+
+    @decorate
+    def outer(x, scale=1.0):
+        return inner(x + 1) * scale
+
+    compiled = torch.compile(outer, backend="eager")
+    telemetry = CompileTelemetry(None).install()
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 4.0))
+        telemetry.collect()
+        assert telemetry.totals()["recompiles"] == 0, telemetry.events
+        compiled(torch.ones(2), scale=2.0)  # outer's wrapper (its kwargs) and the code after the break (scale)
+        telemetry.collect()
+    finally:
+        telemetry.uninstall()
+    assert telemetry.totals()["recompiles"] == 2, telemetry.events
 
 
 def test_recompile_limit_warns_before_and_errors_with_the_fix_when_hit(caplog):

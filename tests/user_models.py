@@ -1,6 +1,6 @@
 """Models nobody here wrote, from configs with random weights (nothing is downloaded), in a LightningModule.
 
-Hugging Face transformers' Llama, GPT-2, BERT, T5 (an encoder-decoder), ViT and ResNet, a torchvision-style
+Hugging Face transformers' Llama, GPT-2, BERT, T5 and BART (encoder-decoders), ViT and ResNet, a torchvision-style
 ResNet-18 (the staged CNN timm and torchvision build: BasicBlocks in four stages of widths 64..512 scaled down, a
 downsampling block opening stages 2-4) and timm's VisionTransformer (``TimmViT``), rebuilt here because timm and
 torchvision cannot be installed beside the CPU torch (timm imports torchvision).
@@ -72,6 +72,17 @@ def tiny_t5(**overrides) -> nn.Module:
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return transformers.T5ForConditionalGeneration(transformers.T5Config(**(config | overrides)))
+
+
+def tiny_bart(**overrides) -> nn.Module:
+    """BART, the encoder-decoder that mBART, Marian, Pegasus and Whisper's text side are built like: learned
+    positions, and forwards wrapped by transformers' decorators."""
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, **overrides,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
 
 
 def tiny_vit(**overrides) -> nn.Module:
@@ -271,6 +282,7 @@ FAMILIES: Dict[str, Callable] = {
     "gpt2": lambda seed: token_batches(4, seed),
     "bert": lambda seed: token_batches(4, seed, mask_labels=True),
     "t5": lambda seed: token_batches(4, seed),
+    "bart": lambda seed: token_batches(4, seed),
     "vit": lambda seed: image_batches(4, seed),
     "hf_resnet": lambda seed: image_batches(4, seed),
     "convnext": lambda seed: image_batches(4, seed, size=64),  # 2x2 in the last stage, as 7x7 at 224
@@ -283,6 +295,7 @@ BUILDERS: Dict[str, Callable[..., nn.Module]] = {
     "gpt2": tiny_gpt2,
     "bert": tiny_bert,
     "t5": tiny_t5,
+    "bart": tiny_bart,
     "vit": tiny_vit,
     "hf_resnet": tiny_hf_resnet,
     "convnext": tiny_convnext,

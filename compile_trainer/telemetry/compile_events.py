@@ -141,6 +141,9 @@ class _Compile:
     graphs_before: int
     cudagraph_skips_before: int
     cache_before: Tuple[int, int]
+    # The functions the compiled frame closes over (compat.functions_closed_over): a decorator's wrapper serves
+    # several functions with one code object, so Dynamo numbers a second function's first compile as a recompile
+    functions: Tuple[int, ...] = ()
     seconds: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
@@ -231,8 +234,9 @@ class CompileTelemetry:
         self._finished: Dict[str, _Compile] = {}  # compile id -> frame compile, for lazy backward attribution
         self._backward: List[_Compile] = []
         self._frame_entry: Dict[str, str] = {}  # frame number -> entry name
-        self._frame_grad_modes: Dict[str, set] = {}  # frame number -> grad modes it has a graph for
-        self._frame_requires_grad_variants: set = set()  # (frame number, grad mode) with a requires-grad variant
+        # (frame number, functions closed over) -> grad modes it has a graph for
+        self._frame_grad_modes: Dict[Tuple[str, Tuple[int, ...]], set] = {}
+        self._frame_requires_grad_variants: set = set()  # ((frame number, functions), grad mode) with such a variant
         self._frame_warned: set = set()
         self._last_metric: Any = None
 
@@ -303,6 +307,7 @@ class CompileTelemetry:
             graphs_before=compat.unique_graphs(),
             cudagraph_skips_before=compat.cudagraph_skips(),
             cache_before=_cache_lookups(),
+            functions=compat.functions_closed_over() if trigger == "DYNAMO" else (),
         )
         self.compile_count += 1
         self.cudagraph_recordings += trigger == CUDAGRAPH_RECORDING
@@ -416,15 +421,17 @@ class CompileTelemetry:
         stats.compiles += 1
         stats.graphs += record.graphs
         self.unique_graphs += record.graphs
-        modes = self._frame_grad_modes.setdefault(frame, set())
+        function = (frame, record.functions)  # a frame's code, as the function it serves
+        modes = self._frame_grad_modes.setdefault(function, set())
+        first_compile = not modes  # of this function (attempt > 0: its code served another function first)
         reason = guard_text(getattr(metric, "recompile_reason", None)) if attempt > 0 else ""
-        grad_mode_variant = attempt > 0 and (
-            record.grad_enabled not in modes or self._requires_grad_variant(frame, record.grad_enabled, reason)
+        grad_mode_variant = not first_compile and (
+            record.grad_enabled not in modes or self._requires_grad_variant(function, record.grad_enabled, reason)
         )
         modes.add(record.grad_enabled)
         if grad_mode_variant:
             stats.grad_mode_variants += 1
-        elif attempt > 0:
+        elif not first_compile:
             reason = reason or "unknown guard (no compilation metrics)"
             if reason.startswith(compat.GRAD_MODE_GUARD):
                 # Dynamo names one failed guard, of the graph it checked first: another grad mode's. The graph of
@@ -444,12 +451,13 @@ class CompileTelemetry:
         if getattr(metric, "fail_type", None):
             self._failure(entry, record.compile_id, attempt, metric, record.phase, record.step)
 
-    def _requires_grad_variant(self, frame: str, grad_enabled: bool, reason: str) -> bool:
-        """Whether a recompile is the frame's first for inputs that differ from its graph's in requiring grad (under
-        this grad mode): a shared block entry whose first block is fed the batch, the later ones activations."""
-        if not compat.REQUIRES_GRAD_GUARD.match(reason) or (frame, grad_enabled) in self._frame_requires_grad_variants:
+    def _requires_grad_variant(self, function: Tuple[str, Tuple[int, ...]], grad_enabled: bool, reason: str) -> bool:
+        """Whether a recompile is the function's first for inputs that differ from its graph's in requiring grad
+        (under this grad mode): a shared block entry whose first block is fed the batch, the later ones activations."""
+        variant = (function, grad_enabled)
+        if not compat.REQUIRES_GRAD_GUARD.match(reason) or variant in self._frame_requires_grad_variants:
             return False
-        self._frame_requires_grad_variants.add((frame, grad_enabled))
+        self._frame_requires_grad_variants.add(variant)
         return True
 
     def _event(
