@@ -74,6 +74,17 @@ def build_model(name: str, smoke: bool) -> Tuple[nn.Module, str, int]:
         config = transformers.T5Config(**sizes, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
         model = transformers.T5ForConditionalGeneration(config)
         return model, "transformers T5ForConditionalGeneration", config.vocab_size
+    if name == "bart_base":
+        sizes = dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12)
+        sizes |= dict(decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072)
+        if smoke:
+            sizes = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2)
+            sizes |= dict(decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=256)
+        # facebook/bart-base's shape (BartConfig's defaults are bart-large's)
+        no_dropout = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        config = transformers.BartConfig(**sizes, **no_dropout)
+        model = transformers.BartForConditionalGeneration(config)
+        return model, "transformers BartForConditionalGeneration", config.vocab_size
     return vision_model(name, smoke, 10 if smoke else 1000)
 
 

@@ -2,7 +2,7 @@
 
 HF Llama (16 layers, d 1024, 8 KV heads; 8 x 1024 tokens), HF GPT-2 small (8 x 1024 tokens), ViT-B/16 and ResNet-50
 (64 images of 224²), and the models as users configure them (issue 31): ``llama_default`` (``use_cache=True``),
-``convnext_tiny``, ``vit_drop_path`` (``drop_path_rate=0.1``) and ``t5_base`` (8 x 512 tokens); all from
+``convnext_tiny``, ``vit_drop_path`` (``drop_path_rate=0.1``), ``t5_base`` and ``bart_base`` (8 x 512 tokens); all from
 ``benchmarks/models.py``. bf16 autocast, fused AdamW; each variant in a fresh process with empty compile caches: its
 first step is the cold compile a user pays. ``--policies regional@rest=outer``: every rule's ``rest`` replaced.
 
@@ -33,16 +33,17 @@ from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E
 # One model's batch: ``batch`` sequences of ``size`` tokens (family "lm"), or ``batch`` images of ``size`` x ``size``
 ModelSpec = collections.namedtuple("ModelSpec", "family batch size unit")
 LM, VISION = ModelSpec("lm", 8, 1024, "tokens"), ModelSpec("vision", 64, 224, "images")
-# the last four as users configure them for training (issue 31): config defaults, stochastic depth, stages, 2 stacks
+# the last five as users configure them for training (issue 31): config defaults, stochastic depth, stages, 2 stacks
 MODELS = {"llama": LM, "gpt2": LM, "vit": VISION, "resnet50": VISION, "llama_default": LM}
-MODELS |= {"convnext_tiny": VISION, "vit_drop_path": VISION, "t5_base": ModelSpec("lm", 8, 512, "tokens")}
+ENCODER_DECODER = ModelSpec("lm", 8, 512, "tokens")
+MODELS |= {"convnext_tiny": VISION, "vit_drop_path": VISION, "t5_base": ENCODER_DECODER, "bart_base": ENCODER_DECODER}
 # For --budget-s only: seconds of a cold first step on an H100 (torch 2.11), measured 2026-11-23 for llama and vit
 # (a little warm), the rest guessed; "policy" is any policy (nested ones x 1.5), per peer in PEERS' order from
 # torch_compile; each worker process adds PROCESS_GUESS_S (imports, CUDA, the model, FLOPs, timed steps).
 COMPILE_GUESS = {
     "llama": (48, 52, 14, 12), "gpt2": (28, 31, 11, 12), "vit": (24, 26, 22, 7), "resnet50": (40, 45, 40, 20),
     "llama_default": (66, 69, 20, 25), "convnext_tiny": (54, 57, 54, 30), "vit_drop_path": (24, 26, 22, 10),
-    "t5_base": (60, 64, 25, 25),
+    "t5_base": (60, 64, 25, 25), "bart_base": (40, 44, 20, 15),
 }  # fmt: skip
 PROCESS_GUESS_S = 15
 SMOKE_BATCH = (2, 32)  # sequences of 32 tokens, or images of 32 x 32
@@ -62,6 +63,7 @@ MODEL_NOTES = {  # what a reader of a model's rows should know, in the notes whe
     "llama_default": "llama_default: the llama's shape with its config's defaults (use_cache=True)",
     "vit_drop_path": "vit_drop_path: drop_path_rate=0.1, each block its own rate (random: losses differ by variant)",
     "t5_base": "t5_base: t5-base's shape (12 + 12 layers, d 768), no dropout; 8 x 512 tokens in and out",
+    "bart_base": "bart_base: facebook/bart-base's shape (6 + 6 layers, d 768), no dropout; 8 x 512 tokens in and out",
     "gpt2": CACHE_NOTE.format("gpt2") + "; its loss_function logs a warning_once per call, a graph break where the "
     "loss is compiled with the model (the policies have Dynamo drop that call)",
 }

@@ -72,9 +72,9 @@ def test_real_models_smoke_compares_variants_side_by_side(tmp_path):
 
 def test_real_models_smoke_runs_the_models_as_users_configure_them(tmp_path):
     """Issue 31's rows: Llama with its config's defaults, ConvNeXt-T, a ViT-B/16 with drop_path_rate 0.1 (BEiT's
-    where timm is not installed) and t5-base's shape, each under eager, a full compile and regional."""
+    where timm is not installed), t5-base's and bart-base's shapes, each under eager, a full compile and regional."""
     out = tmp_path / "configured.json"
-    models = ["llama_default", "convnext_tiny", "vit_drop_path", "t5_base"]
+    models = ["llama_default", "convnext_tiny", "vit_drop_path", "t5_base", "bart_base"]
     run(
         [
             "--smoke",
@@ -99,3 +99,4 @@ def test_real_models_smoke_runs_the_models_as_users_configure_them(tmp_path):
     timm = importlib.util.find_spec("timm") is not None
     assert rows[("vit_drop_path", "eager")]["source"].startswith("timm" if timm else "transformers Beit")
     assert rows[("t5_base", "eager")]["source"] == "transformers T5ForConditionalGeneration"
+    assert rows[("bart_base", "eager")]["source"] == "transformers BartForConditionalGeneration"
