@@ -249,7 +249,7 @@ BENCHMARK = common.Benchmark(
     error""".split(),
     runs=runs,
     measure=measure,
-    shared=dict(steps=30, warmup=5, backend=None, variant_timeout=150),
+    shared=dict(steps=30, warmup=25, backend=None, variant_timeout=150),
     options={
         "--models": dict(nargs="+", default=["llama", "gpt2", "vit", "resnet50"], choices=list(MODELS)),
         "--variants": dict(nargs="*", choices=list(PEERS), default=list(PEERS), help="the peers to run"),

@@ -175,3 +175,52 @@ def test_validation_and_checkpoints_under_rest_background_match_eager_training(t
     fresh = UserModule("convnext")
     fresh.load_state_dict(checkpoint["state_dict"])
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), module.state_dict().values()))
+
+
+LLAMA_PARTS = ["model.model.embed_tokens", "model.model.norm", "model.model.rotary_emb"]
+
+
+def test_auto_outer_compiles_the_parts_inside_its_break_in_the_background_where_allowed():
+    """A decoder with enough weights outside its blocks is compiled around them (rest: auto takes outer); the
+    parts inside the stack that runs eagerly around the blocks (embeddings, final norm, rotary table) are small
+    graphs each, compiled on the thread after the first step where a background compile is allowed."""
+    root = nn.ModuleDict({"model": UserModule("llama").model})
+    deferred = resolve_plan(root, to_policy("regional"), background_rest=True)
+    roles = {r.name: (r.role, r.background) for r in deferred.regions}
+    assert roles["model"] == ("outer", False) and roles["model.model.layers.0"] == ("block", False)
+    assert {name: roles[name] for name in LLAMA_PARTS} == dict.fromkeys(LLAMA_PARTS, ("rest", True))
+    assert "inside model.model (run eagerly around the blocks) compiled as their own regions on a background" in (
+        "\n".join(deferred.notes)
+    )
+    foreground = resolve_plan(root, to_policy("regional"))  # a CPU, a compile cache or bucket warm-up
+    assert not any(r.background for r in foreground.regions) and {r.name for r in foreground.regions} == set(roles)
+    explicit = resolve_plan(root, to_policy("regional", rules=[{"name": "*", "action": "regional", "rest": "outer"}]))
+    assert not any(r.background for r in explicit.regions), "rest: outer asked for: every part at the first step"
+
+
+def test_a_fit_compiled_around_its_blocks_with_its_inner_parts_on_the_thread_trains_like_eager(monkeypatch):
+    """The outer road with the parts inside its break deferred, in a Lightning fit (on a CPU through the GPU's gate):
+    the losses of eager training, each training step run once, no recompile."""
+    from compile_trainer.compiling import regions
+
+    pl.seed_everything(0)
+    eager = UserModule("llama")
+    trainer_args = dict(
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    pl.Trainer(**trainer_args).fit(eager, datamodule=UserData("llama"))
+    if PROBLEM is not None:
+        return  # this torch cannot compile in the background: the gate keeps every part at the first step
+    monkeypatch.setattr(regions, "_may_compile_rest_in_background", lambda policy, device: True)
+    pl.seed_everything(0)
+    module = UserModule("llama")
+    callback = CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False})
+    trainer = pl.Trainer(**trainer_args, callbacks=[callback, WaitForBackground(callback, 2)])
+    trainer.fit(module, datamodule=UserData("llama"))
+    deferred = {item.region.name for item in callback.applied.compiled if item.region.background}
+    assert deferred == set(LLAMA_PARTS) and callback.background.installed
+    torch.testing.assert_close(torch.stack(module.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
+    summary = callback.summary()
+    assert len(module.losses) == 6 and summary["background_eager_steps"] == 2
+    assert summary["recompiles"] == 0 and summary["graph_breaks"] == 0, callback.telemetry.compile.events

@@ -284,9 +284,25 @@ def _expand_rule(
         items.append((b, block))
     if rest in ("compile", "background", "outer"):
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
+        background = rest == "background" or _inner_parts_in_background(rule.rest, breaks, plan)
         for root_name, root in roots:
-            items += _rest_regions(root_name, root, containers, settings, index, plan, rest == "background")
+            items += _rest_regions(root_name, root, containers, settings, index, plan, background)
     return items
+
+
+def _inner_parts_in_background(asked: str, breaks: Optional[List[str]], plan: CompilePlan) -> bool:
+    """Whether ``rest: auto``'s outer road compiles the parts inside its breaks (the eager stacks around the blocks:
+    embeddings, final norms, rotary tables) on the background thread rather than at the first step, which then
+    compiles the blocks and the code around the stacks only. Each such part is a small graph with a compiler's fixed
+    cost (BART-base on an H100: six of them, 4.6 s of a 20 s first step; an embedding lookup or a norm run eagerly
+    for the few steps until the install costs next to nothing)."""
+    if asked != "auto" or not breaks or not plan.background_rest:
+        return False
+    plan.notes.append(
+        f"the parts with weights inside {', '.join(breaks)} (run eagerly around the blocks) compiled as their own "
+        "regions on a background thread after the first step; eager until then (rest: auto)"
+    )
+    return True
 
 
 def _without_blocks(
