@@ -159,6 +159,10 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
             for m in get_compilation_metrics()
         ],
         "recompile_reasons": common.recompile_reasons(limit=10),
+        # the breaks graph_breaks counts (not the policy's declared ones): where, and why
+        "graph_break_reasons": [
+            f"{b.region}: {b.short_reason} at {b.location}" for b in telemetry.graph_breaks() if not b.declared
+        ][:10],
         "first_losses": [float(loss) for loss in losses],
         "background": background.summary() if background is not None else None,
         "items_per_s": items * args.steps / times["window_s"],
