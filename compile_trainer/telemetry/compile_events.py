@@ -234,9 +234,9 @@ class CompileTelemetry:
         self._finished: Dict[str, _Compile] = {}  # compile id -> frame compile, for lazy backward attribution
         self._backward: List[_Compile] = []
         self._frame_entry: Dict[str, str] = {}  # frame number -> entry name
-        # (frame number, functions closed over) -> grad modes it has a graph for
-        self._frame_grad_modes: Dict[Tuple[str, Tuple[int, ...]], set] = {}
-        self._frame_requires_grad_variants: set = set()  # ((frame number, functions), grad mode) with such a variant
+        # a compiled function, (frame number, functions its closure holds) -> grad modes it has a graph for
+        self._grad_modes: Dict[Tuple[str, Tuple[int, ...]], set] = {}
+        self._requires_grad_variants: set = set()  # (compiled function, grad mode) with a requires-grad variant
         self._frame_warned: set = set()
         self._last_metric: Any = None
 
@@ -256,8 +256,8 @@ class CompileTelemetry:
             return
         if self._installed:  # a reset happened: compile ids restart at 0/0
             self._frame_entry.clear()
-            self._frame_grad_modes.clear()
-            self._frame_requires_grad_variants.clear()
+            self._grad_modes.clear()
+            self._requires_grad_variants.clear()
             self._forward.clear()
             self._finished.clear()
         handler.register_start_callback(self._on_start)
@@ -422,7 +422,7 @@ class CompileTelemetry:
         stats.graphs += record.graphs
         self.unique_graphs += record.graphs
         function = (frame, record.functions)  # a frame's code, as the function it serves
-        modes = self._frame_grad_modes.setdefault(function, set())
+        modes = self._grad_modes.setdefault(function, set())
         first_compile = not modes  # of this function (attempt > 0: its code served another function first)
         reason = guard_text(getattr(metric, "recompile_reason", None)) if attempt > 0 else ""
         grad_mode_variant = not first_compile and (
@@ -455,9 +455,9 @@ class CompileTelemetry:
         """Whether a recompile is the function's first for inputs that differ from its graph's in requiring grad
         (under this grad mode): a shared block entry whose first block is fed the batch, the later ones activations."""
         variant = (function, grad_enabled)
-        if not compat.REQUIRES_GRAD_GUARD.match(reason) or variant in self._frame_requires_grad_variants:
+        if not compat.REQUIRES_GRAD_GUARD.match(reason) or variant in self._requires_grad_variants:
             return False
-        self._frame_requires_grad_variants.add(variant)
+        self._requires_grad_variants.add(variant)
         return True
 
     def _event(
