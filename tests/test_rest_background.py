@@ -225,3 +225,46 @@ def test_a_fit_compiled_around_its_blocks_with_its_inner_parts_on_the_thread_tra
     summary = callback.summary()
     assert len(module.losses) == 6 and summary["background_eager_steps"] == 2
     assert summary["recompiles"] == 0 and summary["graph_breaks"] == 0, callback.telemetry.compile.events
+
+
+T5_UNREPEATED = ["model.encoder.block.0", "model.decoder.block.0"]
+
+
+def test_blocks_no_other_block_shares_compile_on_the_thread_and_train_like_eager(monkeypatch):
+    """T5's first block of each stack (the only one holding the relative position bias) is a structure of its own:
+    a graph nothing reuses, so under rest: auto it compiles on the thread after the first step, which compiles only
+    the two shared structures. In a Lightning fit (on a CPU through the GPU's gate): eager losses, each block's
+    entry compiled once, no recompile when the later blocks first get block 0's compiled output."""
+    from compile_trainer.compiling import regions
+
+    layers = {"num_layers": 6, "num_decoder_layers": 6}
+    root = nn.ModuleDict({"model": UserModule("t5", **layers).model})
+    deferred = resolve_plan(root, to_policy("regional"), background_rest=True)
+    background_blocks = [r.name for r in deferred.regions if r.role == "block" and r.background]
+    assert background_blocks == T5_UNREPEATED
+    assert "a structure no other block shares" in "\n".join(deferred.notes)
+    assert not any(r.background for r in resolve_plan(root, to_policy("regional")).regions), "a CPU: first step"
+    if PROBLEM is not None:
+        return
+    pl.seed_everything(0)
+    eager = UserModule("t5", **layers)
+    trainer_args = dict(
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    pl.Trainer(**trainer_args).fit(eager, datamodule=UserData("t5"))
+    monkeypatch.setattr(regions, "_may_compile_rest_in_background", lambda policy, device: True)
+    pl.seed_everything(0)
+    module = UserModule("t5", **layers)
+    callback = CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False})
+    trainer = pl.Trainer(**trainer_args, callbacks=[callback, WaitForBackground(callback, 2)])
+    trainer.fit(module, datamodule=UserData("t5"))
+    assert callback.background.installed and callback.summary()["background_eager_steps"] == 2
+    torch.testing.assert_close(torch.stack(module.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
+    calls = {item.region.name: item.calls for item in callback.applied.compiled if item.region.role == "block"}
+    assert {name: calls.pop(name) for name in T5_UNREPEATED} == dict.fromkeys(T5_UNREPEATED, 4), "from step 2"
+    assert set(calls.values()) == {6}, "the shared structures compiled at the first step"
+    stats = callback.telemetry.compile.regions
+    assert all(stats[name].compiles == 1 for name in T5_UNREPEATED), "compiled once, on the thread"
+    summary = callback.summary()
+    assert summary["recompiles"] == 0 and summary["graph_breaks"] == 0, callback.telemetry.compile.events

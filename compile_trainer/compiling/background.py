@@ -145,8 +145,9 @@ class RecordedCall:
 
 class BackgroundCompile:
     """Defers ``applied``'s compiled regions: they run eagerly until a background thread has compiled them. Under
-    ``rest: background`` (and not ``background: true``) only the parts around the blocks are deferred; the blocks
-    compile in place at their first call, as usual.
+    ``rest: background`` (and not ``background: true``) only ``applied.background_parts`` are deferred (the parts
+    around the blocks, and blocks whose structure no other shares); the shared blocks compile in place at their
+    first call, as usual.
 
     Each region's first training call (grad on) is recorded; evaluation graphs compile at their first call
     after the switch, as usual (compiling them on the thread too made the training graph wait for them:

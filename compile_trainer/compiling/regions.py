@@ -146,13 +146,15 @@ class AppliedPolicy:
 
     @property
     def background_parts(self) -> List[CompiledRegion]:
-        """The regions of a regional rule's rest that compile on a background thread (``rest: background``)."""
+        """The regions that compile on a background thread after the first step: a regional rule's rest
+        (``rest: background``; ``rest: auto``'s parts inside an outer region's breaks) and, under ``rest: auto``,
+        blocks whose structure no other block shares."""
         return [item for item in self.compiled if item.region.background]
 
     @property
     def defers_compiles(self) -> bool:
         """Whether regions wait for a background compile (``compiling.background``): every region
-        (``background: true``), or the parts of a regional rule's rest (``rest: background``)."""
+        (``background: true``), or ``background_parts``."""
         return self.policy.enabled and (self.policy.background or bool(self.background_parts))
 
     def compile_in_foreground(self, reason: str) -> None:

@@ -6,6 +6,7 @@ stay eager. It is computed without compiling anything, so bad rules fail before 
 
 from __future__ import annotations
 
+import collections
 import difflib
 import re
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ class Region:
     # the key; the first compile watches the rest (``compiling.block_values.SharedValues``).
     shared_floats: List[str] = field(default_factory=list)
     indices: List[str] = field(default_factory=list)
-    # For a "rest" region: compiled on a background thread after the first step, eager until then (rest: background)
+    # Compiled on a background thread after the first step, eager until then: a "rest" region (rest: background, or
+    # rest: auto's parts inside an outer region's breaks), or a block whose structure no other block shares
     background: bool = False
 
     @property
@@ -276,11 +278,12 @@ def _expand_rule(
     if breaks:
         items.append((name, Region(name, module, settings, index, "outer", breaks=breaks)))
         items += [(b, None) for b in breaks]
+    keys = {b: structure.keys[_relative(b, name)] for b in block_names}
+    unrepeated = _unrepeated_blocks_in_background(rule.rest, modules, keys, plan)
     for b in block_names:
-        key = structure.keys[_relative(b, name)]
-        block = Region(b, modules[b], settings, index, "block", structure=key)
-        block.shared_floats = list(structure.shared_floats.get(key, []))
-        block.indices = list(structure.indices.get(key, []))
+        block = Region(b, modules[b], settings, index, "block", structure=keys[b], background=b in unrepeated)
+        block.shared_floats = list(structure.shared_floats.get(keys[b], []))
+        block.indices = list(structure.indices.get(keys[b], []))
         items.append((b, block))
     if rest in ("compile", "background", "outer"):
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
@@ -303,6 +306,27 @@ def _inner_parts_in_background(asked: str, breaks: Optional[List[str]], plan: Co
         "regions on a background thread after the first step; eager until then (rest: auto)"
     )
     return True
+
+
+def _unrepeated_blocks_in_background(
+    asked: str, modules: Dict[str, nn.Module], keys: Dict[str, str], plan: CompilePlan
+) -> List[str]:
+    """The blocks whose structure no other block shares (T5's first block of each stack, the only one holding the
+    relative position bias), where ``rest: auto`` may compile in the background and other blocks do share a graph.
+    Such a block repeats nothing, like the rest: its graph costs the first step a compile of its own that no other
+    block reuses (T5-base on an H100: two of the four block structures), so it compiles on the background thread
+    after the first step, which then compiles only the shared structures; eager until the install."""
+    sharing = collections.Counter(keys.values())
+    if asked != "auto" or not plan.background_rest or max(sharing.values()) < 2:
+        return []
+    unrepeated = [b for b, key in keys.items() if sharing[key] == 1]
+    if unrepeated:
+        classes = "/".join(sorted({type(modules[b]).__name__ for b in unrepeated}))
+        plan.notes.append(
+            f"{listed(unrepeated)} ({classes}): a structure no other block shares, so a graph of its own that nothing "
+            "reuses: compiled on a background thread after the first step, eager until then (rest: auto)"
+        )
+    return unrepeated
 
 
 def _without_blocks(
