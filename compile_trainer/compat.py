@@ -856,6 +856,16 @@ def compile_session_owner() -> Optional[Tuple[Any, str]]:
     return (torch.compiler, COMPILE_SESSION) if hasattr(torch.compiler, COMPILE_SESSION) else None
 
 
+def run_as_plain_python(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with its frames never compiled by Dynamo, nor a graph broken on them: Dynamo intercepts each new
+    frame under compiled code and would otherwise compile a function that a thread swapped in meanwhile (the frames
+    it calls are treated as usual). Returns ``function``. Checked 2.9.1-2.14.1."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(function.__code__)
+    return function
+
+
 # -- Optimizers --------------------------------------------------------------------------------------------
 # Optimizer.step runs the global and per-optimizer step hooks; a replacement step must run them too, set
 # `_opt_called` (LR schedulers warn without it) and say whether it handles AMP scaling (checked 2.9.1-2.13).
@@ -1413,6 +1423,45 @@ def _probe_compile_session() -> None:
     assert not torch.compiler.is_compiling()
 
 
+def _call_module(module: torch.nn.Module, *args: Any) -> Any:
+    return torch.nn.Module.__call__(module, *args)
+
+
+def _frames_compiled_past_a_break(call: Callable[..., Any]) -> int:
+    """Dynamo compiles of one call of a compiled module that calls its part through ``call``, a ``__call__`` as a
+    thread swaps one in, past the break at the part's disabled forward."""
+
+    class Part(torch.nn.Module):
+        __call__ = call
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    class Around(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.part = Part()
+            self.part.forward = torch.compiler.disable(self.part.forward)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.part(x * 2)
+
+    starts: List[Any] = []
+    handler = dynamo_callback_handler()
+    handler.register_start_callback(starts.append)
+    try:
+        assert torch.compile(Around(), backend=_CountingBackend())(torch.ones(2)).tolist() == [3.0, 3.0]
+    finally:
+        handler.remove_start_callback(starts.append)
+    return len(starts)
+
+
+def _probe_run_as_plain_python() -> None:
+    compiled = _frames_compiled_past_a_break(_fresh(_call_module))
+    plain = _frames_compiled_past_a_break(run_as_plain_python(_fresh(_call_module)))
+    assert plain == compiled - 1, f"the swapped-in __call__'s frame: {compiled} compiles unmarked, {plain} marked"
+
+
 def _probe_cudagraph_trees() -> None:
     import_cudagraph_trees()
     assert "torch._inductor.cudagraph_trees" in sys.modules
@@ -1684,6 +1733,7 @@ ENTRIES = [
     Entry("fx_patcher", _probe_fx_patcher),
     Entry("fx_tracing_check", _probe_fx_tracing_check),
     Entry("compile_session_owner", _probe_compile_session),
+    Entry("run_as_plain_python", _probe_run_as_plain_python),
     Entry("import_cudagraph_trees", _probe_cudagraph_trees),
     Entry("cudagraph_warmed_up_functions", _probe_cudagraph_warmups),
     Entry("warm_compile_workers", _probe_warm_compile_workers),

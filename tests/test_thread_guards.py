@@ -14,7 +14,7 @@ from torch import nn
 from torch._dynamo.callback import callback_handler
 
 from compile_trainer import compat
-from compile_trainer.compiling.thread_guards import REPLACEMENTS, forks_wait, guarded_thread
+from compile_trainer.compiling.thread_guards import REPLACEMENTS, blind_to_guarded_tracing, forks_wait, guarded_thread
 
 
 class PausesWhileTraced(nn.Module):
@@ -31,7 +31,9 @@ class PausesWhileTraced(nn.Module):
         return self.linear(x)
 
 
-def call_a_module_while_another_thread_traces(guarded: bool):
+def call_a_module_while_another_thread_traces(guarded: bool, call=None):
+    """``call()`` (by default an eager module's) on this thread while another thread's FX trace has patched
+    ``nn.Module.__call__``; returns its result."""
     traced = PausesWhileTraced()
     errors = []
 
@@ -46,6 +48,8 @@ def call_a_module_while_another_thread_traces(guarded: bool):
     thread.start()
     traced.inside.wait(timeout=60)
     try:
+        if call is not None:
+            return call()
         model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
         return model(torch.ones(1, 2))  # the training thread's eager step
     finally:
@@ -61,6 +65,41 @@ def test_fx_tracing_on_another_thread_breaks_module_calls_unless_that_thread_is_
     assert call_a_module_while_another_thread_traces(guarded=True).shape == (1, 3)
     assert {key: getattr(*key) for key in REPLACEMENTS} == originals, "the originals are back"
     assert nn.Module.__call__ is nn.Module._wrapped_call_impl, "FX's patch was reverted"
+
+
+class AroundAnEagerPart(nn.Module):
+    """Compiled whole around a part whose forward runs eagerly, as regional's outer road around a stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.before, self.eager_part = nn.Linear(2, 2), nn.Linear(2, 3)
+        self.eager_part.forward = torch.compiler.disable(self.eager_part.forward)
+
+    def forward(self, x):
+        return self.eager_part(self.before(x))
+
+
+def test_compiled_code_calling_a_module_while_a_guarded_thread_traces_compiles_no_frame_of_the_guards():
+    """Compiled code calls the eager part after its break through ``nn.Module.__call__``, which a guarded thread's FX
+    trace has replaced with a thread-aware function meanwhile: Dynamo, which intercepts every new frame under compiled
+    code, runs that function as plain Python. Compiling it broke a graph at FX's skipped wrapper: one graph break
+    counted in T5-base's outer region beside a background compile (H100, torch 2.11)."""
+    model = AroundAnEagerPart()
+    with blind_to_guarded_tracing():  # as the regions are compiled
+        compiled = torch.compile(model, backend="eager")
+    compiled(torch.ones(1, 2))  # every frame compiled before the other thread traces
+    compiles = []
+
+    def record(*args):
+        compiles.append(args)
+
+    callback_handler.register_start_callback(record)
+    try:
+        result = call_a_module_while_another_thread_traces(True, lambda: compiled(torch.ones(1, 2)))
+    finally:
+        callback_handler.remove_start_callback(record)
+    torch.testing.assert_close(result, model(torch.ones(1, 2)))
+    assert compiles == [], "no frame compiled beside the trace"
 
 
 def is_compiling_seen_on_this_thread_while_another_compiles(guarded: bool) -> bool:
