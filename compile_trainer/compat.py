@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import itertools
 import logging
@@ -122,6 +123,24 @@ def is_fail_on_recompile(error: BaseException) -> bool:
 
 def is_recompile_limit(fail_reason: str) -> bool:
     return any(text in fail_reason.lower() for text in RECOMPILE_LIMIT_TEXTS)
+
+
+def _loop_with_a_break(x: torch.Tensor) -> torch.Tensor:
+    for _ in range(2):
+        x = x + 1
+        torch._dynamo.graph_break()
+    return x
+
+
+@functools.cache
+def reports_frames_run_eagerly_at_a_loop_break() -> bool:
+    """Whether a frame Dynamo runs eagerly because a graph break sits in a loop has a ``fail_type`` in its compile
+    metrics (2.13, 2.14.1). torch 2.9.1 records it like a frame with no tensor code (no failure, no graph, no
+    counter): such a fallback cannot be told apart there, and is not reported. Found by compiling one such loop."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    torch.compile(_fresh(_loop_with_a_break), backend="eager")(torch.ones(1))
+    return get_compilation_metrics()[-1].fail_type is not None
 
 
 # Dynamo's errors end with the user frames it traced ('from user code:', each 'File "f", line n, in name' and the
@@ -1462,6 +1481,12 @@ def _probe_run_as_plain_python() -> None:
     assert plain == compiled - 1, f"the swapped-in __call__'s frame: {compiled} compiles unmarked, {plain} marked"
 
 
+def _probe_loop_break_reports() -> None:
+    reported, version = reports_frames_run_eagerly_at_a_loop_break(), torch_version()
+    if version[:2] in ((2, 9), (2, 13), (2, 14)):  # the versions it was checked on
+        assert reported == (version >= (2, 13)), f"torch {torch.__version__}: reported={reported}"
+
+
 def _probe_cudagraph_trees() -> None:
     import_cudagraph_trees()
     assert "torch._inductor.cudagraph_trees" in sys.modules
@@ -1719,6 +1744,7 @@ ENTRIES = [
     Entry("recompile_limit", _probe_recompile_limit),
     Entry("is_fail_on_recompile", _probe_fail_on_recompile),
     Entry("traced_error_summary", _probe_traced_error_summary),
+    Entry("reports_frames_run_eagerly_at_a_loop_break", _probe_loop_break_reports),
     Entry("graph_break_reasons", _probe_graph_breaks),
     Entry("cudagraph_skips", _probe_cudagraph_skips),
     Entry("set_compiler_collectives", _probe_compiler_collectives),

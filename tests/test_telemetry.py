@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from compile_trainer import apply_policy, to_policy
+from compile_trainer import apply_policy, compat, to_policy
 from compile_trainer.telemetry.compile_events import CompileTelemetry
 from tests import telemetry_models as models
 
@@ -60,9 +60,11 @@ def test_eager_rule_break_is_declared_and_not_counted_as_a_graph_break():
     assert len(breaks) == 1 and breaks[0].declared and breaks[0].region == "0"
     assert breaks[0].location == f"{models.__file__}:{models.line_of('calls each block')}"
     assert telemetry.totals()["graph_breaks"] == 0 and telemetry.totals()["declared_graph_breaks"] == 1
-    # The break sits in a loop, so Dynamo cannot resume: Net.forward falls back to eager, and says so.
+    # The break sits in a loop, so Dynamo cannot resume: Net.forward falls back to eager, and says so (torch 2.9
+    # records such a frame as one without tensor code: nothing is reported there, rather than a guess)
     fallbacks = [e for e in telemetry.events if e.kind == "eager_fallback"]
-    assert len(fallbacks) == 1 and fallbacks[0].region == "0"
+    reported = compat.reports_frames_run_eagerly_at_a_loop_break()
+    assert [e.region for e in fallbacks] == (["0"] if reported else [])
 
 
 def test_shape_change_is_reported_as_a_recompile_with_its_guard():
