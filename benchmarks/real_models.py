@@ -236,7 +236,8 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
     notes += [TIMM_NOTE] if models.has_module("timm") and vision and "compile_regions" in args.variants else []
     return notes + [
         f"{args.steps} timed steps (median step time; items/s over the timed window) after {args.warmup} warm-up "
-        f"steps, the first timed alone (first_step_s); backend {args.backend or 'inductor'}; "
+        f"steps and a full garbage collection, the first timed alone (first_step_s); "
+        f"backend {args.backend or 'inductor'}; "
         + ("one process, compiler state reset per variant" if args.smoke else "a fresh process per variant"),
         "random weights and data, dropout off; bf16 autocast and fused AdamW on the GPU (fp32 on the CPU); *_vs_full: "
         "against full_compile, the faster of torch_compile and torch_compile_reduce_overhead on the same model; "
