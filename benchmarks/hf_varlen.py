@@ -15,6 +15,7 @@ tokens in full rows, ``torch.compile``: the reference).
 
 import argparse
 import collections
+import gc
 import math
 import random
 import sys
@@ -186,7 +187,10 @@ def steady_pass(batches, shaper, train_step, device) -> float:
     """Real tokens/s over ``batches`` (each at a length already compiled and, with CUDA graphs, recorded) as a fit
     runs them: no sync between steps, so the host queues a step while the GPU runs the last (the timed stream syncs
     after every step to time it alone, which leaves the GPU idle between steps), and pinned batches, as a
-    DataLoader with ``pin_memory=True`` hands them over (a copy from pageable memory waits for the queued work)."""
+    DataLoader with ``pin_memory=True`` hands them over (a copy from pageable memory waits for the queued work).
+    After a full garbage collection, as ``common.first_warm_timed``'s window: the one a compile's objects trigger
+    later is a one-time pause, not the steady state."""
+    gc.collect()
     if device.type == "cuda":
         batches = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
@@ -213,9 +217,10 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
         f"autocast, {OPTIMIZERS[args.optimizer]}; each variant in a fresh process with empty caches",
         "total_s: the whole stream, compiles and warm-up included; vs_plain_total: total_s / plain's; "
         "steady_real_tokens_per_s: the stream run again after it (every length compiled; with CUDA graphs the "
-        "batches at lengths recorded, that is seen twice), pinned, without a sync between steps: real (unmasked) "
-        "tokens / seconds; synced_steady_real_tokens_per_s: in the timed stream, the steps that compiled and recorded "
-        "nothing (a sync after each); padding: positions / real tokens - 1; recompiles_after_warmup: a frame's "
+        "batches at lengths recorded, that is seen twice), pinned, without a sync between steps, after a full "
+        "garbage collection: real (unmasked) tokens / seconds; synced_steady_real_tokens_per_s: in the timed "
+        "stream, the steps that compiled and recorded nothing (a sync after each); padding: positions / real "
+        "tokens - 1; recompiles_after_warmup: a frame's "
         "compiles after its first, bucket warm-up's aside",
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
         "*_background: total_s ends with the stream, whether or not the compile was installed by then; a length the "
