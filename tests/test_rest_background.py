@@ -198,6 +198,29 @@ def test_auto_outer_compiles_the_parts_inside_its_break_in_the_background_where_
     assert not any(r.background for r in explicit.regions), "rest: outer asked for: every part at the first step"
 
 
+def fit_eager_and_through_the_gpu_gate(monkeypatch, family, **config):
+    """Six steps of ``family`` trained eagerly, then under the bundled ``regional`` with the GPU's gate for background
+    compiles forced open on this CPU (the compiles, the thread and the Trainer are real), the install after step 2:
+    (eager module, compiled module, callback)."""
+    from compile_trainer.compiling import regions
+
+    trainer_args = dict(
+        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    pl.seed_everything(0)
+    eager = UserModule(family, **config)
+    pl.Trainer(**trainer_args).fit(eager, datamodule=UserData(family))
+    monkeypatch.setattr(regions, "_may_compile_rest_in_background", lambda policy, device: True)
+    pl.seed_everything(0)
+    module = UserModule(family, **config)
+    callback = CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False})
+    pl.Trainer(**trainer_args, callbacks=[callback, WaitForBackground(callback, 2)]).fit(
+        module, datamodule=UserData(family)
+    )
+    return eager, module, callback
+
+
 def test_a_fit_compiled_around_its_blocks_with_its_inner_parts_on_the_thread_trains_like_eager(monkeypatch):
     """The outer road with the parts inside its break deferred, in a Lightning fit (on a CPU through the GPU's gate):
     the losses of eager training, each training step run once, no recompile."""
@@ -206,19 +229,7 @@ def test_a_fit_compiled_around_its_blocks_with_its_inner_parts_on_the_thread_tra
     if PROBLEM is not None:  # this torch cannot compile in the background: even a GPU keeps the parts at the first step
         assert not regions._may_compile_rest_in_background(to_policy("regional"), torch.device("cuda"))
         return
-    pl.seed_everything(0)
-    eager = UserModule("llama")
-    trainer_args = dict(
-        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
-    pl.Trainer(**trainer_args).fit(eager, datamodule=UserData("llama"))
-    monkeypatch.setattr(regions, "_may_compile_rest_in_background", lambda policy, device: True)
-    pl.seed_everything(0)
-    module = UserModule("llama")
-    callback = CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False})
-    trainer = pl.Trainer(**trainer_args, callbacks=[callback, WaitForBackground(callback, 2)])
-    trainer.fit(module, datamodule=UserData("llama"))
+    eager, module, callback = fit_eager_and_through_the_gpu_gate(monkeypatch, "llama")
     deferred = {item.region.name for item in callback.applied.compiled if item.region.background}
     assert deferred == set(LLAMA_PARTS) and callback.background.installed
     torch.testing.assert_close(torch.stack(module.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
@@ -235,8 +246,6 @@ def test_blocks_no_other_block_shares_compile_on_the_thread_and_train_like_eager
     a graph nothing reuses, so under rest: auto it compiles on the thread after the first step, which compiles only
     the two shared structures. In a Lightning fit (on a CPU through the GPU's gate): eager losses, each block's
     entry compiled once, no recompile when the later blocks first get block 0's compiled output."""
-    from compile_trainer.compiling import regions
-
     layers = {"num_layers": 6, "num_decoder_layers": 6}
     root = nn.ModuleDict({"model": UserModule("t5", **layers).model})
     deferred = resolve_plan(root, to_policy("regional"), background_rest=True)
@@ -246,19 +255,7 @@ def test_blocks_no_other_block_shares_compile_on_the_thread_and_train_like_eager
     assert not any(r.background for r in resolve_plan(root, to_policy("regional")).regions), "a CPU: first step"
     if PROBLEM is not None:
         return
-    pl.seed_everything(0)
-    eager = UserModule("t5", **layers)
-    trainer_args = dict(
-        max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0,
-    )  # fmt: skip
-    pl.Trainer(**trainer_args).fit(eager, datamodule=UserData("t5"))
-    monkeypatch.setattr(regions, "_may_compile_rest_in_background", lambda policy, device: True)
-    pl.seed_everything(0)
-    module = UserModule("t5", **layers)
-    callback = CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False})
-    trainer = pl.Trainer(**trainer_args, callbacks=[callback, WaitForBackground(callback, 2)])
-    trainer.fit(module, datamodule=UserData("t5"))
+    eager, module, callback = fit_eager_and_through_the_gpu_gate(monkeypatch, "t5", **layers)
     assert callback.background.installed and callback.summary()["background_eager_steps"] == 2
     torch.testing.assert_close(torch.stack(module.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
     calls = {item.region.name: item.calls for item in callback.applied.compiled if item.region.role == "block"}
