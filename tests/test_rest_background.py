@@ -256,6 +256,8 @@ def test_blocks_no_other_block_shares_compile_on_the_thread_and_train_like_eager
     if PROBLEM is not None:
         return
     eager, module, callback = fit_eager_and_through_the_gpu_gate(monkeypatch, "t5", **layers)
+    table = format_plan_table(callback.applied)
+    assert "regional block (background)" in table and "eager until then (rest: auto)" in table, table
     assert callback.background.installed and callback.summary()["background_eager_steps"] == 2
     torch.testing.assert_close(torch.stack(module.losses), torch.stack(eager.losses), rtol=1e-5, atol=1e-6)
     calls = {item.region.name: item.calls for item in callback.applied.compiled if item.region.role == "block"}

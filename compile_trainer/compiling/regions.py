@@ -585,7 +585,8 @@ def format_plan_table(applied: AppliedPolicy) -> str:
         resolved = f": {applied.background_lowering}" if configured == "auto" else ""
         lowering = f", Inductor's lowering {where} (background_lowering: {configured}{resolved})"
     deferred = [item.region.name for item in applied.background_parts]
-    setting = "background: true" if applied.policy.background else "rest: background"
+    asked = sorted({applied.policy.rules[item.region.rule_index].rest for item in applied.background_parts})
+    setting = "background: true" if applied.policy.background else f"rest: {'/'.join(asked) or 'background'}"
     if applied.defers_compiles and applied.foreground_reason is not None:
         lines.append(f"{setting}, compiled in the foreground: {applied.foreground_reason}")
     elif applied.policy.background:
@@ -593,7 +594,7 @@ def format_plan_table(applied: AppliedPolicy) -> str:
     elif deferred:
         lines.append(
             f"{', '.join(deferred)}: compiled on a background thread after the first step, eager until then "
-            f"(rest: background){lowering}"
+            f"({setting}){lowering}"
         )
     lines += [f"note: {note}" for note in applied.notes]
     return "\n".join(lines)
