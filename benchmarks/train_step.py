@@ -195,7 +195,8 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
     block = (SMOKE if args.smoke else models.GPT2_SMALL).block_size
     repeats = f"; {args.repeats} fresh processes per variant, medians" if args.repeats > 1 else ""
     return [
-        f"batch {args.batch_size} x {block} tokens, {args.steps} timed steps after {args.warmup}; backend "
+        f"batch {args.batch_size} x {block} tokens, {args.steps} timed steps after {args.warmup} and a full garbage "
+        f"collection; backend "
         f"{args.backend}; fresh compile caches per variant{repeats}"
     ]
 
