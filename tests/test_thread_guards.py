@@ -89,15 +89,11 @@ def test_compiled_code_calling_a_module_while_a_guarded_thread_traces_compiles_n
         compiled = torch.compile(model, backend="eager")
     compiled(torch.ones(1, 2))  # every frame compiled before the other thread traces
     compiles = []
-
-    def record(*args):
-        compiles.append(args)
-
-    callback_handler.register_start_callback(record)
+    callback_handler.register_start_callback(compiles.append)
     try:
         result = call_a_module_while_another_thread_traces(True, lambda: compiled(torch.ones(1, 2)))
     finally:
-        callback_handler.remove_start_callback(record)
+        callback_handler.remove_start_callback(compiles.append)
     torch.testing.assert_close(result, model(torch.ones(1, 2)))
     assert compiles == [], "no frame compiled beside the trace"
 

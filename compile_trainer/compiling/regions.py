@@ -586,7 +586,7 @@ def format_plan_table(applied: AppliedPolicy) -> str:
         lowering = f", Inductor's lowering {where} (background_lowering: {configured}{resolved})"
     deferred = [item.region.name for item in applied.background_parts]
     asked = sorted({applied.policy.rules[item.region.rule_index].rest for item in applied.background_parts})
-    setting = "background: true" if applied.policy.background else f"rest: {'/'.join(asked) or 'background'}"
+    setting = "background: true" if applied.policy.background else f"rest: {'/'.join(asked)}"
     if applied.defers_compiles and applied.foreground_reason is not None:
         lines.append(f"{setting}, compiled in the foreground: {applied.foreground_reason}")
     elif applied.policy.background:

@@ -65,7 +65,7 @@ def _skipped_on_guarded_threads(restore: Callable[..., Any]) -> Callable[..., An
             return restore(*args, **kwargs)
         return None
 
-    return compat.run_as_plain_python(restore_unless_guarded)
+    return restore_unless_guarded
 
 
 def _method_patches_confined_to_guarded_threads(patch_method: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,7 +92,7 @@ def _compiling_flag_left_alone_on_guarded_threads(session: Callable[..., Any]) -
             return session(*args, **kwargs)
         return contextlib.nullcontext()
 
-    return compat.run_as_plain_python(session_unless_guarded)
+    return session_unless_guarded
 
 
 # Held while a fork of this process must wait: a subprocess starting (any thread's, while a guarded thread runs),
@@ -122,7 +122,7 @@ def _started_before_any_fork(execute_child: Callable[..., Any]) -> Callable[...,
         with _forks_waiting:  # from the pipes' creation to the child's exec, which closes them there
             return execute_child(*args, **kwargs)
 
-    return compat.run_as_plain_python(execute_child_before_forks)
+    return execute_child_before_forks
 
 
 # (owner, attribute) -> how to make the thread-aware replacement of the original
@@ -174,7 +174,7 @@ def guarded_thread() -> Iterator[None]:
         if not _guarded:
             for (owner, name), replace in REPLACEMENTS.items():
                 _originals[(owner, name)] = original = getattr(owner, name)
-                setattr(owner, name, replace(original))
+                setattr(owner, name, compat.run_as_plain_python(replace(original)))
         _guarded.add(ident)
     try:
         yield
