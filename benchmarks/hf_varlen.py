@@ -5,6 +5,7 @@ Llama, bf16 autocast, fused AdamW; each variant a fresh process with empty compi
 compile and warm-up.
 
     python benchmarks/hf_varlen.py --seed 0 --variants fixed_length dynamic_full dynamic_full_background
+    python benchmarks/hf_varlen.py --seed 0 --pad-multiple 16 --variants fixed_length dynamic_full
     python benchmarks/hf_varlen.py --smoke --out /tmp/x  # CPU, tiny model, aot_eager
 
 Variants: ``plain`` (``torch.compile(model)``), the bundled policies ``dynamic``, ``dynamic_full`` (one dynamic
@@ -78,8 +79,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         batches = packed(batches, args) if args.variant == "fixed_length" else batches
         forward, policy, applied, shaper = torch.compile(model, backend=args.backend), None, None, None
     else:
-        shapes = {"shapes": {"pad": {"max": args.max_length}}} if args.variant == "buckets_auto" else {}
-        policy, forward = to_policy(args.variant, backend=args.backend, **shapes), model
+        pad = {"max": args.max_length} if args.variant == "buckets_auto" else {}
+        if args.pad_multiple is not None:
+            pad["multiple_of"] = args.pad_multiple
+        policy, forward = (
+            to_policy(args.variant, backend=args.backend, **({"shapes": {"pad": pad}} if pad else {})),
+            model,
+        )
         # the bundled rules (name: "*") match the model as in a LightningModule
         applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
         shaper = BatchShaper(policy.shapes)
@@ -222,6 +228,11 @@ def notes(args: argparse.Namespace, rows: List[Dict[str, Any]]) -> List[str]:
         "stream, the steps that compiled and recorded nothing (a sync after each); padding: positions / real "
         "tokens - 1; recompiles_after_warmup: a frame's "
         "compiles after its first, bucket warm-up's aside",
+        *(
+            [f"the policies' lengths padded to multiples of {args.pad_multiple} (--pad-multiple)"]
+            if args.pad_multiple
+            else []
+        ),
         "fixed_length: the same real tokens packed into full rows of the longest length, torch.compile(model)",
         "*_background: total_s ends with the stream, whether or not the compile was installed by then; a length the "
         "stream ran only eagerly runs compiled (untimed) as often as the stream's compiled steps did before the "
@@ -243,6 +254,8 @@ BENCHMARK = common.Benchmark(
         "--min-length": dict(type=int, default=64),
         "--max-length": dict(type=int, default=1024),
         "--seed": dict(type=int, default=0),
+        # the policies' shapes.pad.multiple_of (dynamic_full's own: 64); fixed_length and plain pad nothing
+        "--pad-multiple": dict(type=int, default=None),
         # fused: torch's fused AdamW; compiled: compile_optimizer's step (a fixed cost per step that short steps
         # pay more often per token)
         "--optimizer": dict(default="fused", choices=["fused", "compiled"]),
