@@ -556,7 +556,7 @@ def eager_backward_lowering_problem() -> Optional[str]:
     if not hasattr(functorch_config, EAGER_BACKWARD_FLAG):
         return (
             f"needs AOTAutograd to compile backward graphs with the forward (torch._functorch.config."
-            f"{EAGER_BACKWARD_FLAG}, present in torch 2.11 and 2.13), which torch {torch.__version__} lacks"
+            f"{EAGER_BACKWARD_FLAG}, present from torch 2.11), which torch {torch.__version__} lacks"
         )
     return None
 
