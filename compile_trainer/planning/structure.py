@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import nn
 
@@ -174,19 +174,20 @@ def group_blocks(
         blocks = {name: root.get_submodule(name) for name in names}
         for name, block in blocks.items():
             result.keys[name] = structure_key(block, index_of[name])
-        tried = _tried(trial, blocks, result.keys, index_of, prefix) if trial is not None else []
+        builders, cache_addressed = {}, set()
+        for name in names:
+            builder = cache_builder(root, name, prefix, above) if index_of[name] else None
+            if builder is not None:
+                builders[builder[0]] = builder[1]
+                cache_addressed.add(name)
+        result.cache_builders.update(builders)
+        tried = _tried(trial, blocks, result.keys, index_of, prefix, cache_addressed) if trial is not None else []
         for name in names:
             result.indices.setdefault(result.keys[name], index_of[name])
         for key, members in _members(result.keys, names).items():
             floats = _differing_floats([blocks[name] for name in members])
             if floats:
                 result.shared_floats[key] = floats
-        builders = {}
-        for name in names:
-            builder = cache_builder(root, name, prefix, above) if index_of[name] else None
-            if builder is not None:
-                builders[builder[0]] = builder[1]
-        result.cache_builders.update(builders)
         if notes:
             result.notes += tried + _notes(cls, names, blocks, result, index_of, splits_of[cls], prefix)
             result.cache_notes += _cache_notes(cls, names, index_of, builders)
@@ -197,10 +198,17 @@ def group_blocks(
 
 
 def _tried(
-    trial: Trial, blocks: Dict[str, nn.Module], keys: Dict[str, str], index_of: Dict[str, List[str]], prefix: str
+    trial: Trial,
+    blocks: Dict[str, nn.Module],
+    keys: Dict[str, str],
+    index_of: Dict[str, List[str]],
+    prefix: str,
+    cache_addressed: Set[str],
 ) -> List[str]:
     """Trace one block of each group whose blocks differ in floats or an index; where the compiler specializes one
-    of them, give each value a key of its own (in ``keys``) and take it out of ``index_of``. Returns the notes."""
+    of them, give each value a key of its own (in ``keys``) and take it out of ``index_of``. Returns the notes: none
+    for a trace that failed where the blocks differ only in the index of a KV cache (``cache_addressed``: the cache
+    note explains it)."""
     notes = []
     for key, members in _members(keys, list(blocks)).items():
         floats, indices = _differing_floats([blocks[name] for name in members]), index_of[members[0]]
@@ -209,11 +217,12 @@ def _tried(
         cls = f"{type(blocks[members[0]]).__name__} blocks{_which(members, list(blocks), prefix)}"
         pinned, failed = trial(blocks[members[0]], floats, indices)
         if failed is not None:
-            notes.append(
-                f"{len(members)} {cls}: no trial trace of one before training ({failed}); should the compiler "
-                f"specialize {', '.join([*floats, *indices])} at their first compile, the blocks move to an entry "
-                "per value then (a note says so)"
-            )
+            if floats or not cache_addressed.issuperset(members):
+                notes.append(
+                    f"{len(members)} {cls} differ in {', '.join([*floats, *indices])}: whether the compiler "
+                    f"specializes them shows at their first compile (no trial trace of one block before training: "
+                    f"{failed}); if it does, the blocks move to an entry per value (a note says so)"
+                )
             continue
         if not pinned:
             continue
