@@ -174,14 +174,13 @@ def group_blocks(
         blocks = {name: root.get_submodule(name) for name in names}
         for name, block in blocks.items():
             result.keys[name] = structure_key(block, index_of[name])
-        builders, cache_addressed = {}, set()
-        for name in names:
-            builder = cache_builder(root, name, prefix, above) if index_of[name] else None
-            if builder is not None:
-                builders[builder[0]] = builder[1]
-                cache_addressed.add(name)
+        # block -> (the module deciding use_cache, the decoder whose config builds a KV cache) for indexed blocks
+        caches = {name: cache_builder(root, name, prefix, above) for name in names if index_of[name]}
+        caches = {name: builder for name, builder in caches.items() if builder is not None}
+        tried = _tried(trial, blocks, result.keys, index_of, prefix, set(caches)) if trial is not None else []
+        # blocks whose index the trial found specialized are no longer indexed: no cache note, no builder
+        builders = dict(caches[name] for name in names if index_of[name] and name in caches)
         result.cache_builders.update(builders)
-        tried = _tried(trial, blocks, result.keys, index_of, prefix, cache_addressed) if trial is not None else []
         for name in names:
             result.indices.setdefault(result.keys[name], index_of[name])
         for key, members in _members(result.keys, names).items():
