@@ -32,16 +32,22 @@ def test_hf_varlen_smoke_runs_the_policies_side_by_side(tmp_path):
     assert background["steady_compiles"] == 0 and background["first_step_s"] > 0
 
 
-def test_hf_varlen_smoke_with_the_compiled_optimizer_step_for_every_variant(tmp_path):
+def test_hf_varlen_smoke_with_the_compiled_optimizer_step_and_another_padding_multiple(tmp_path):
     out = tmp_path / "hf_varlen.json"
     variants = ["fixed_length", "dynamic_full_background"]
     command = [sys.executable, "benchmarks/hf_varlen.py", "--smoke", "--optimizer", "compiled", "--out", str(out)]
-    result = subprocess.run([*command, "--variants", *variants], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command += ["--pad-multiple", "16", "--variants", *variants]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "AdamW with compile_optimizer's step (every variant)" in result.stdout
+    assert "the policies' lengths padded to multiples of 16 (--pad-multiple)" in result.stdout
     rows = {row["variant"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == variants and not any("error" in row for row in rows.values()), rows
     for row in rows.values():  # the stream's steps, its steady pass's and warm-ups': all but the first compiled
         steps = row["optimizer_steps"]
         assert steps["own"] == 1 and steps["compiled"] >= row["steps"] + row["steady_steps"] - 1, steps
     assert rows["dynamic_full_background"]["steady_compiles"] == 0
+    # the smoke stream's lengths (8..64) padded to 16, not the policy's own 64; the reference is not padded
+    seen = {length for length, *_ in rows["dynamic_full_background"]["step_ms"]}
+    assert all(length % 16 == 0 for length in seen) and min(seen) < 64, seen
+    assert rows["fixed_length"]["padding"] == 0
