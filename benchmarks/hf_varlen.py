@@ -82,10 +82,7 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         pad = {"max": args.max_length} if args.variant == "buckets_auto" else {}
         if args.pad_multiple is not None:
             pad["multiple_of"] = args.pad_multiple
-        policy, forward = (
-            to_policy(args.variant, backend=args.backend, **({"shapes": {"pad": pad}} if pad else {})),
-            model,
-        )
+        policy, forward = to_policy(args.variant, backend=args.backend, shapes={"pad": pad}), model
         # the bundled rules (name: "*") match the model as in a LightningModule
         applied = apply_policy(nn.ModuleDict({"model": model}), policy, device=device)
         shaper = BatchShaper(policy.shapes)
