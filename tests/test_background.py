@@ -26,8 +26,9 @@ from tests.conftest import TINY_GPT, Wrapper
 from tests.test_apply import fit_tiny
 
 # Torch before 2.11 refuses background compiles before training, saying why (tests/test_policy.py checks the refusal).
+BACKGROUND_PROBLEM = background_compile_problem()
 needs_background_compile = pytest.mark.skipif(
-    background_compile_problem() is not None, reason=f"background compiles: {background_compile_problem()}"
+    BACKGROUND_PROBLEM is not None, reason=f"background compiles: {BACKGROUND_PROBLEM}"
 )
 
 
