@@ -45,6 +45,14 @@ def needs_torch(feature: str, version: tuple) -> Optional[str]:
     return f"{feature} needs torch >= {'.'.join(map(str, version))}; this is torch {torch.__version__}"
 
 
+def renamed_function(function: types.FunctionType, name: str) -> types.FunctionType:
+    """A copy of ``function`` (defaults and closure kept) with a code object of its own named ``name``: Dynamo
+    caches compiled code per code object, and its metrics report the code's name. Public Python, kept here, at
+    the bottom of the package, so that every layer and the probes below share the one copy."""
+    code = function.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+
+
 # -- Dynamo: compile events -------------------------------------------------------------------------------
 # torch._dynamo.callback.callback_handler: compile start/end callbacks with a trigger and a compile id
 # (2.8+; checked 2.9.1-2.13). torch._dynamo.reset() clears the handlers: register again after a reset.
@@ -1086,9 +1094,7 @@ _fresh_names = itertools.count()
 
 def _fresh(function: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of ``function`` with a code object of its own: Dynamo compiles it anew, whatever ran before."""
-    name = f"compat_probe_{next(_fresh_names)}_{function.__name__}"
-    code = function.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, function.__globals__, name, function.__defaults__, function.__closure__)
+    return renamed_function(function, f"compat_probe_{next(_fresh_names)}_{function.__name__}")
 
 
 class _CountingBackend:
@@ -1669,8 +1675,8 @@ def _probe_dynamic_floats() -> None:
         return x * module.scale
 
     counter, seen = CompileCounter(), []
-    code = entry.__code__.replace(co_name="compat_probe_floats")
-    function = type(entry)(code, entry.__globals__, "compat_probe_floats")
+    function = renamed_function(entry, "compat_probe_floats")
+    code = function.__code__
     prime_dynamic_floats(code, [float_source("module", "scale")])
     for scale in (0.5, 0.25):
         module = nn.Module()

@@ -293,8 +293,8 @@ def trial_trace(
     if example is None:
         return {}, "no input shape known from its first layer"
     name = f"{TRIAL_PREFIX}{type(block).__name__}"
-    code = _trial_call.__code__.replace(co_name=name, co_qualname=name)
-    trial = types.FunctionType(code, _trial_call.__globals__, name)
+    trial = compat.renamed_function(_trial_call, name)
+    code = trial.__code__
     values = SharedValues(floats, indices, lambda *_: None)
     values.prime(code)
     found: Dict[str, str] = {}

@@ -297,20 +297,13 @@ def _call_region(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _entries: Dict[Tuple[type, str], types.FunctionType] = {}  # (class, settings and region) -> entry
 
 
-def renamed_function(function: types.FunctionType, name: str) -> types.FunctionType:
-    """A copy of ``function`` with its own code object named ``name``: Dynamo caches compiled code per code
-    object, and its metrics report the code's name."""
-    code = function.__code__.replace(co_name=name, co_qualname=name)
-    return types.FunctionType(code, function.__globals__, name)
-
-
 def _entry_function(cls: type, key_suffix: str) -> types.FunctionType:
     """A copy of ``_call_region`` per (class, key): regions of one key share a cache entry, and one graph."""
     key = (cls, key_suffix)
     if key not in _entries:
         same_class = sum(1 for c, _ in _entries if c is cls)
         name = f"{ENTRY_PREFIX}{cls.__name__}" + (f"_{same_class}" if same_class else "")
-        _entries[key] = renamed_function(_call_region, name)
+        _entries[key] = compat.renamed_function(_call_region, name)
     return _entries[key]
 
 

@@ -14,7 +14,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from compile_trainer import compat
-from compile_trainer.compiling.regions import ENTRY_PREFIX, renamed_function
+from compile_trainer.compat import renamed_function
+from compile_trainer.compiling.regions import ENTRY_PREFIX
 from compile_trainer.optimizer.algorithms import Clipping, update_segments
 from compile_trainer.optimizer.flat import FlatLayout
 
