@@ -23,8 +23,8 @@ standard state, gradient clipping in the same update.
 - a step where some parameter has no gradient, or no state yet, runs the optimizer's own step (after the same
   clipping); see docs/optimizer.md.
 
-``compile: auto`` times the candidates (``fused``, ``foreach``, ``compiled``) on the real parameters during
-the first steps, keeps the fastest, and reports an ``OptimizerChoice``.
+``compile: auto`` (``auto.py``) times the candidates and keeps the fastest; a trainer's optimizers get their steps
+through ``trainer_steps.py``.
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
 from compile_trainer import compat
 from compile_trainer.compiling.regions import compile_kwargs
 from compile_trainer.optimizer.algorithms import ADAM, SGD, Clipping, algorithm_for
+from compile_trainer.optimizer.auto import AutoTrial, OptimizerChoice
 from compile_trainer.optimizer.flat import FlatLayout
 from compile_trainer.optimizer.inductor_update import InductorUpdate
 from compile_trainer.schema import OptimizerPolicy, PolicyError, optimizer_settings, validate_optimizer_policy
@@ -51,53 +50,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class OptimizerChoice:
-    """What ``compile: auto`` measured and chose."""
-
-    chosen: str
-    step_ms: Dict[str, float]  # fastest timed update per candidate (device time from the end of backward)
-    skipped: Dict[str, str] = field(default_factory=dict)  # candidate -> why it was not timed
-    device: str = "cpu"
-    timed_steps: int = 0
-    clipping: str = "none"  # every candidate's step includes it
-
-    def describe(self) -> str:
-        others = ", ".join(f"{n} {ms:.3f} ms" for n, ms in self.step_ms.items() if n != self.chosen)
-        clipping = f", clipping by {self.clipping} included" if self.clipping != "none" else ""
-        text = f"auto chose {self.chosen} ({self.step_ms[self.chosen]:.3f} ms per update{clipping}"
-        text += f"{' vs ' + others if others else ''}; best of {self.timed_steps} timed steps each on {self.device})"
-        return text + "".join(f"; {name} skipped: {why}" for name, why in self.skipped.items())
-
-
 def _optimizer_device(optimizer: torch.optim.Optimizer) -> torch.device:
     for group in optimizer.param_groups:
         for param in group["params"]:
             return param.device
     return torch.device("cpu")
-
-
-def _start_clock(device: torch.device) -> Any:
-    """A start mark on ``device``'s timeline: a CUDA event recorded on the current stream, else the wall clock."""
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    return time.perf_counter()
-
-
-def _stop_clock(device: torch.device, started: Any) -> Callable[[], float]:
-    """Seconds since ``started``, read later (CUDA: without a host sync until then)."""
-    if device.type == "cuda":
-        stopped = torch.cuda.Event(enable_timing=True)
-        stopped.record()
-        return lambda: (stopped.synchronize(), started.elapsed_time(stopped) / 1000)[1]
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    seconds = time.perf_counter() - started
-    return lambda: seconds
 
 
 def triton_unavailable_reason(device: torch.device, algorithm) -> Optional[str]:
@@ -173,7 +130,7 @@ class CompiledOptimizerStep:
         self.on_choice = on_choice
         self.choice: Optional[OptimizerChoice] = None
         self.eager_choice: Optional[str] = None  # auto's eager winner, kept behind this step to clip
-        self._trial: Optional[_AutoTrial] = _AutoTrial(self) if policy.compile == "auto" else None
+        self._trial: Optional[AutoTrial] = AutoTrial(self) if policy.compile == "auto" else None
         self._user_flags = [(g.get("fused"), g.get("foreach")) for g in optimizer.param_groups]
         self._original_step = optimizer.__dict__.get("step")  # an LR scheduler's wrapper, usually
         setattr(self, compat.LR_SCHEDULER_WRAPPED, True)  # this step marks the optimizer stepped, as that wrapper does
@@ -187,6 +144,11 @@ class CompiledOptimizerStep:
         if max_norm is not None and max_value is not None:
             raise PolicyError("compiled optimizer step: clip by norm or by value, not both.")
         self.clip = (None if max_norm is None else float(max_norm), None if max_value is None else float(max_value))
+
+    @property
+    def in_auto_trial(self) -> bool:
+        """Whether ``compile: auto`` is still timing the candidates."""
+        return self._trial is not None
 
     @property
     def clipping(self) -> str:
@@ -311,90 +273,6 @@ class CompiledOptimizerStep:
             self.on_choice(choice)
 
 
-class _AutoTrial:
-    """Runs real training steps with each candidate in turn: one warm-up step (it compiles), then timed steps.
-
-    A timed step is what the candidate's update costs the device in training: from the end of Lightning's closure
-    (forward and backward) to the end of the update, measured on the device's stream (CUDA events, read once the
-    trial is over) so host time counts only where the device waits for it, as in training, where the host is
-    ahead of the device at the step. (Timed with a sync around the step, the Inductor candidate won on GPT-2 small
-    and trained 0.5 ms a step slower than fused: fused's higher host overhead is hidden in training. Timed with
-    the closure, the 20 ms of forward and backward drowned differences of tenths of a millisecond: the Triton
-    candidate, 0.25 ms a step faster than fused in training, lost its trial by 1.7 ms.) The gradient hooks are off
-    meanwhile: the Inductor candidate copies the gradients into its flat buffer inside the timed step, so its time
-    counts the copy, and the other candidates read each gradient where backward left it, as in training. Eager
-    candidates' steps advance the state in place and leave it bound, so no candidate's step syncs with the host.
-    """
-
-    def __init__(self, step: CompiledOptimizerStep):
-        self.owner = step
-        self.skipped: Dict[str, str] = {}
-        candidates = list(step.policy.auto_candidates)
-        reason = compat.fused_unsupported_reason(step.optimizer) if "fused" in candidates else None
-        if reason:
-            candidates.remove("fused")
-            self.skipped["fused"] = reason
-        # Round robin after each candidate's warm-up: the first steps of training run slower (the model's CUDA
-        # graphs are recorded, the allocator grows), and a candidate timed only then would lose for it.
-        self.schedule = [(name, False) for name in candidates]
-        self.schedule += [(name, True) for _ in range(step.policy.auto_steps) for name in candidates]
-        self.timings: Dict[str, List[Callable[[], float]]] = {name: [] for name in candidates}
-        self._started: Any = None
-        self._begun = False  # the first trial step runs once every parameter has its state
-        step.layout.remove_hooks()
-
-    def start_timing(self) -> None:
-        self._started = _start_clock(self.owner.device)
-
-    def eager_candidate_next(self) -> bool:
-        """Whether the next step is an eager candidate's, which then skips the gather into the flat buffers."""
-        return self._begun and self.schedule[0][0] != "compiled"
-
-    def step(self) -> None:
-        name, timed = self.schedule.pop(0)
-        self._begun = True
-        owner = self.owner
-        if name in self.timings:
-            try:
-                if name == "compiled":
-                    owner.compiled_update()
-                else:
-                    owner.eager_step(f"auto is timing {name}", name)
-            except Exception as error:  # a compile that fails leaves the other candidates to choose from
-                if name != "compiled" or timed or len(self.timings) == 1:
-                    raise
-                self._drop_compiled(error)
-        if name not in self.timings:  # a dropped candidate's turns still run, eagerly: every rank's trial is as long
-            owner.eager_step("auto: the compiled candidate failed")
-        elif timed:
-            self.timings[name].append(_stop_clock(owner.device, self._started))
-        if not self.schedule:
-            # The best, not the median: noise (another process, a late autotune or CUDA-graph recording) only adds.
-            step_ms = {name: 1000 * min(read() for read in reads) for name, reads in self.timings.items()}
-            step_ms = _slowest_across_ranks(step_ms, owner.policy.auto_candidates, owner.device)
-            chosen = min(step_ms, key=step_ms.__getitem__)
-            choice = OptimizerChoice(chosen, step_ms, self.skipped, str(owner.device), owner.policy.auto_steps)
-            owner.choose(dataclasses.replace(choice, clipping=owner.clipping))
-
-    def _drop_compiled(self, error: Exception) -> None:
-        self.skipped["compiled"] = f"compile failed: {compat.traced_error_summary(error)}"
-        log.warning("optimizer %s: auto: %s", type(self.owner.optimizer).__name__, self.skipped["compiled"])
-        del self.timings["compiled"]
-
-
-def _slowest_across_ranks(step_ms: Dict[str, float], candidates: Sequence[str], device: torch.device):
-    """Under a process group of several ranks, each candidate's slowest time over the ranks (a candidate some rank
-    could not time is out everywhere), so that every rank chooses the same: replicas updated by different kernels
-    would drift apart, as DDP never synchronizes parameters."""
-    distributed = torch.distributed
-    if not (distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1):
-        return step_ms
-    on = device if distributed.get_backend() == "nccl" else torch.device("cpu")
-    times = torch.tensor([step_ms.get(name, float("inf")) for name in candidates], dtype=torch.float64, device=on)
-    distributed.all_reduce(times, op=distributed.ReduceOp.MAX)
-    return {name: ms for name, ms in zip(candidates, times.tolist()) if ms != float("inf")}
-
-
 def compile_optimizer(
     optimizer: torch.optim.Optimizer,
     policy: Union[OptimizerPolicy, Mapping[str, Any], None] = None,
@@ -415,46 +293,3 @@ def compile_optimizer(
     if isinstance(optimizer.step, CompiledOptimizerStep):
         return optimizer.step
     return CompiledOptimizerStep(optimizer, policy, backend, on_choice)
-
-
-def compile_optimizers(
-    optimizers: Sequence[torch.optim.Optimizer],
-    policy: OptimizerPolicy,
-    backend: str = "inductor",
-    on_choice: Optional[Callable[[OptimizerChoice], None]] = None,
-) -> List[CompiledOptimizerStep]:
-    """``compile_optimizer`` for each optimizer; every one is checked before any is changed."""
-    if policy.compile != "false":
-        for optimizer in optimizers:
-            algorithm_for(optimizer)
-    steps = [compile_optimizer(optimizer, policy, backend, on_choice) for optimizer in optimizers]
-    return [step for step in steps if step is not None]
-
-
-def take_over_clipping(steps: Sequence[CompiledOptimizerStep], max_value: float, algorithm: str = "norm") -> None:
-    """Clip inside each step as a trainer-level setting asks (Lightning's ``gradient_clip_val`` and
-    ``gradient_clip_algorithm``: ``norm`` or ``value``); the caller then turns the trainer's own clipping off."""
-    if algorithm not in ("norm", "value"):
-        raise PolicyError(f"gradient clipping algorithm {algorithm!r}: valid algorithms are norm, value.")
-    wanted = (float(max_value), None) if algorithm == "norm" else (None, float(max_value))
-    for step in steps:
-        if step.clip not in ((None, None), wanted):
-            raise PolicyError(
-                f"optimizer {type(step.optimizer).__name__}: the policy's optimizer section clips by {step.clipping} "
-                f"and the trainer asks to clip by {algorithm} {max_value:g}; set one of them."
-            )
-        step.set_clipping(*wanted)
-
-
-def describe_steps(steps: Sequence[CompiledOptimizerStep]) -> str:
-    """One line per compiled optimizer step, for the plan printed at fit start."""
-    lines = []
-    for step in steps:
-        params = sum(len(g["params"]) for g in step.optimizer.param_groups)
-        mode = "auto: timing " + ", ".join(step.policy.auto_candidates) if step._trial else "compiled"
-        lines.append(
-            f"optimizer {type(step.optimizer).__name__}: {mode} ({params} params in "
-            f"{len(step.layout.segments)} flat segments; clipping {step.clipping}; {step.update.describe()})"
-        )
-        lines += [f"note: {note}" for note in step.notes]
-    return "\n".join(lines)
