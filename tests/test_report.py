@@ -9,6 +9,8 @@ from compile_trainer.cli.main import EXIT_BAD_INPUT
 from compile_trainer.cli.main import main as cli_main
 from compile_trainer.runs.recorder import sweeper_value
 from compile_trainer.runs.report import build_report
+from compile_trainer.runs.report_plot import plot_report
+from compile_trainer.runs.report_tables import repeat_rows, report_text
 from compile_trainer.runs.results import write_result
 from compile_trainer.schema import SettingsError, to_sweep_settings
 
@@ -129,7 +131,7 @@ def test_the_table_over_seeds_ranks_settings_as_the_objective_says(tmp_path):
         settings = dict(seed=seed, data={"block_size": 32, "seed": seed}, overrides=overrides)
         write_run(tmp_path, job, policy, compile_s=compile_s, compile_steps=1, **settings)
     report = build_report(tmp_path, objective="compile_time")
-    assert [row[0] for row in report.repeat_rows()] == ["regional", "full"]
+    assert [row[0] for row in repeat_rows(report)] == ["regional", "full"]
     assert report.recommendation().startswith("Recommendation: regional (best median compile_time over 2 seeds: 2.5 s")
 
 
@@ -173,8 +175,8 @@ def test_labels_name_the_overrides_that_vary_and_no_baseline_is_said(tmp_path):
     report = build_report(tmp_path)
     assert sorted(run.label for run in report.runs) == ["full mode=default", "full mode=max-autotune-no-cudagraphs"]
     assert report.baseline is None and all(report.speedup(run) is None for run in report.runs)
-    assert "no eager baseline" in report.text()
-    plot = report.plot(tmp_path / "plot.png")
+    assert "no eager baseline" in report_text(report)
+    plot = plot_report(report, tmp_path / "plot.png")
     assert plot.stat().st_size > 10_000
 
 

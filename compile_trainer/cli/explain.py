@@ -24,6 +24,7 @@ from compile_trainer.compiling.regions import apply_policy, format_plan_table
 from compile_trainer.lightning.callback import CompileCallback
 from compile_trainer.schema import bundled_policy_dir
 from compile_trainer.telemetry.compile_events import CompileTelemetry
+from compile_trainer.telemetry.compile_report import format_compile_report
 
 EXPLAIN_TELEMETRY = {"measure_flops": False, "print_summary": False}
 
@@ -51,7 +52,7 @@ class Explanation:
             f"{totals['recompiles']} recompile(s), {totals['eager_fallbacks']} frame(s) fell back to eager"
         )
         return "\n".join(
-            [self.plan, "", f"one training step of {self.model}:", self.telemetry.format_report(), verdict]
+            [self.plan, "", f"one training step of {self.model}:", format_compile_report(self.telemetry), verdict]
         )
 
 

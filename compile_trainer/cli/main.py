@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from compile_trainer.runs.report import DEFAULT_LOSS_TOLERANCE, PLOT_FILE, ReportError, build_report
+from compile_trainer.runs.report_plot import plot_report
+from compile_trainer.runs.report_tables import report_markdown, report_text
 from compile_trainer.runs.results import OBJECTIVES
 
 EXIT_OK, EXIT_BREAKS, EXIT_BAD_INPUT = 0, 1, 2
@@ -84,8 +86,8 @@ def run_report(args: argparse.Namespace) -> int:
     except (ReportError, ValueError) as error:
         print(f"compile-trainer report: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    plot = None if args.no_plot else report.plot(args.plot or args.directory / PLOT_FILE)
-    print(report.markdown(plot) if args.markdown else report.text(plot))
+    plot = None if args.no_plot else plot_report(report, args.plot or args.directory / PLOT_FILE)
+    print(report_markdown(report, plot) if args.markdown else report_text(report, plot))
     return EXIT_OK
 
 

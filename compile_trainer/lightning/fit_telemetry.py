@@ -23,6 +23,7 @@ from compile_trainer import compat
 from compile_trainer.compiling.regions import AppliedPolicy
 from compile_trainer.schema import SettingsError, TelemetryConfig
 from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
+from compile_trainer.telemetry.compile_report import format_compile_report
 from compile_trainer.telemetry.flops import StepFlopCount, step_signature
 from compile_trainer.telemetry.throughput import (
     COMPILE,
@@ -295,7 +296,7 @@ class FitTelemetry:
         padded = summary.get("steady_padded_tokens_per_s")
         items, tokens = summary.get("steady_items_per_s"), summary.get("steady_tokens_per_s")
         lines = [
-            self.compile.format_report(),
+            format_compile_report(self.compile),
             "throughput",
             f"  steps {summary['steps']} ({summary['compile_steps']} with compiles"
             + (f" or CUDA-graph recordings ({recorded})" if recorded else "")

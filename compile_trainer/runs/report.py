@@ -6,6 +6,9 @@ no run is dropped silently. Speedups, payback and the loss check are against the
 baseline: a ``none`` run (nothing compiled, optimizer included). Runs that differ only in ``seed`` are repeats:
 each is compared with the baseline and the runs of its own seed, and a table of medians over the seeds (with
 their spread) ranks the settings; the recommendation then comes from it. Needs neither Hydra nor W&B.
+
+The runs are read by ``runs.sweep_runs``; the report is written as text or Markdown by ``runs.report_tables``,
+its plot by ``runs.report_plot``.
 """
 
 from __future__ import annotations
@@ -16,8 +19,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from compile_trainer.runs.results import OBJECTIVES, RESULT_FILE, final_loss, objective_value, read_result
-from compile_trainer.tables import text_table
+from compile_trainer.runs.results import OBJECTIVES, final_loss, objective_value
+from compile_trainer.runs.sweep_runs import ReportError, Run, cold_compile_time, find_runs, is_baseline
+
+# The report, and what callers import with it from here (defined in sweep_runs).
+__all__ = [
+    "COMPARED",
+    "DEFAULT_LOSS_TOLERANCE",
+    "PLOT_FILE",
+    "Report",
+    "ReportError",
+    "Run",
+    "build_report",
+    "cold_compile_time",
+    "find_runs",
+    "is_baseline",
+    "median",
+    "steps_text",
+]
 
 DEFAULT_LOSS_TOLERANCE = 0.02
 PLOT_FILE = "report.png"
@@ -32,140 +51,6 @@ COMPARED = (
     ("steps", "steps", True),
     ("precision", "precision", True),
 )
-COLUMNS = (
-    "#",
-    "policy",
-    "status",
-    "compile s",
-    "cache",
-    "cold compile s",
-    "steady tokens/s",
-    "vs none",
-    "pays off after",
-    "recompiles",
-    "grad-mode variants",
-    "graph breaks",
-    "peak mem GiB",
-    "final loss",
-    "loss vs none",
-)
-REPEAT_COLUMNS = ("setting", "runs ok", "compile s", "steady tokens/s", "spread", "vs none", "flagged runs")
-
-
-def cold_compile_time(result: Dict[str, Any]) -> Optional[float]:
-    """The compile time without a compile-cache bundle: the bundle's cold compile for a run that loaded one, the
-    run's own compile time for a run that had none (its compile s is then its cold compile)."""
-    summary = result.get("summary") or {}
-    if summary.get("cache_status") == "hit":
-        return summary.get("cache_cold_compile_s")
-    return summary.get("compile_time_s") if summary.get("cache_status") in ("miss", "unusable") else None
-
-
-class ReportError(ValueError):
-    """A directory that holds no runs to report on."""
-
-
-@dataclass
-class Run:
-    """One run of the sweep: its result, or ``None`` where it left no result file."""
-
-    directory: Path
-    overrides: List[str]
-    result: Optional[Dict[str, Any]] = None
-    label: str = ""
-    flags: List[str] = field(default_factory=list)
-
-    @property
-    def status(self) -> str:
-        return self.result["status"] if self.result is not None else "no result"
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    @property
-    def job(self) -> float:
-        sweep = (self.result or {}).get("sweep") or {}
-        if sweep.get("job") is not None:
-            return sweep["job"]
-        return int(self.directory.name) if self.directory.name.isdigit() else math.inf
-
-    @property
-    def policy(self) -> str:
-        if self.result is not None:
-            return str(self.result.get("policy"))
-        return dict(_split(o) for o in self.overrides).get("compile", "?")
-
-    @property
-    def seed(self) -> Any:
-        if self.result is not None:
-            return self.result.get("seed")
-        return dict(_split(o) for o in self.overrides).get("seed")
-
-    @property
-    def setting(self) -> str:
-        """The label without the seed: the runs of one setting are repeats."""
-        return " ".join(word for word in self.label.split(" ") if not word.startswith(("seed=", "#")))
-
-    def summary(self, key: str) -> Optional[float]:
-        return ((self.result or {}).get("summary") or {}).get(key)
-
-
-def _split(override: str) -> Tuple[str, str]:
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
-
-
-def _read_overrides(path: Path) -> List[str]:
-    import yaml
-
-    return [str(override) for override in yaml.safe_load(path.read_text()) or []]
-
-
-def find_runs(directory: Path) -> List[Run]:
-    """Every run under ``directory``: those with a result file, and Hydra job directories without one."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ReportError(f"{directory} is not a directory; give a multirun directory (multirun/<sweep name>)")
-    runs = []
-    for path in sorted(directory.rglob(RESULT_FILE)):
-        result = read_result(path)
-        runs.append(Run(path.parent, list(result.get("overrides") or []), result))
-    reported = {run.directory for run in runs}
-    for overrides in sorted(directory.rglob(".hydra/overrides.yaml")):
-        job_dir = overrides.parent.parent
-        if job_dir not in reported:
-            runs.append(Run(job_dir, _read_overrides(overrides)))
-    if not runs:
-        raise ReportError(
-            f"no runs under {directory}: expected {RESULT_FILE} files written by `python train.py -m ...`"
-        )
-    runs.sort(key=lambda run: (run.job, str(run.directory)))
-    _label(runs)
-    return runs
-
-
-def _label(runs: List[Run]) -> None:
-    """Name each run by its policy and the overrides that differ between the runs."""
-    settings = [dict(_split(o) for o in run.overrides) for run in runs]
-    keys = sorted({key for s in settings for key in s})
-    varying = [k for k in keys if k != "compile" and len({s.get(k) for s in settings}) > 1]
-    for run, values in zip(runs, settings):
-        extra = [f"{key.removeprefix('compile.')}={values[key]}" for key in varying if key in values]
-        run.label = " ".join([run.policy, *extra])
-    seen: Dict[str, int] = {}
-    for run in runs:
-        seen[run.label] = seen.get(run.label, 0) + 1
-    for run in runs:
-        if seen[run.label] > 1:
-            run.label += f" #{run.directory.name}"
-
-
-def is_baseline(result: Dict[str, Any]) -> bool:
-    """Nothing compiled: the policy is off and so is the optimizer's compilation."""
-    settings = result.get("policy_settings") or {}
-    optimizer = str((settings.get("optimizer") or {}).get("compile", "false")).lower()
-    return result.get("status") == "ok" and settings.get("enabled") is False and optimizer == "false"
 
 
 @dataclass
@@ -311,8 +196,6 @@ class Report:
             return f"Equal comparison: NO, {len(unequal)} run(s) differ (flagged below); the others: {described}."
         return f"Equal comparison: yes, every run with a result: {described}."
 
-    # -- text -----------------------------------------------------------------------------------------
-
     def environments(self) -> Dict[Tuple[str, str], List[str]]:
         """(device, versions) -> the runs that had them; runs that failed before making a Trainer have none."""
         seen: Dict[Tuple[str, str], List[str]] = {}
@@ -323,77 +206,13 @@ class Report:
                 seen.setdefault((environment["device"]["name"], versions), []).append(run.label)
         return seen
 
-    def environment_lines(self) -> List[str]:
-        seen = self.environments()
-        if len(seen) <= 1:
-            return [f"Device: {device}; {versions}" for device, versions in seen] or ["Device: unknown"]
-        return [f"Device: {device}; {versions} (runs: {', '.join(runs)})" for (device, versions), runs in seen.items()]
-
-    def rows(self) -> List[List[str]]:
-        rows = []
-        for rank, run in enumerate(self.ranked, 1):
-            ok = run.ok
-            peak = run.summary("peak_memory_bytes")
-            loss = final_loss(run.result) if ok else None
-            change = self.loss_change(run)
-            rows.append(
-                [
-                    str(rank),
-                    run.label,
-                    f"failed: {run.result['error']['type']}" if run.status == "failed" else run.status,
-                    _fmt(run.summary("compile_time_s") if ok else None, "{:,.1f}"),
-                    run.summary("cache_status") or "-",
-                    _fmt(cold_compile_time(run.result) if ok else None, "{:,.1f}"),
-                    _fmt(objective_value(run.result, "throughput") if ok else None, "{:,.0f}"),
-                    _fmt(self.speedup(run), "{:.2f}x"),
-                    _steps(self.payback_steps(run)),
-                    _fmt(run.summary("recompiles") if ok else None, "{:d}"),
-                    _fmt(run.summary("grad_mode_variants") if ok else None, "{:d}"),
-                    _fmt(run.summary("graph_breaks") if ok else None, "{:d}"),
-                    _fmt(peak / 2**30 if peak is not None else None, "{:.2f}"),
-                    _fmt(loss, "{:.4f}"),
-                    _fmt(change, "{:+.2%}"),
-                ]
-            )
-        return rows
-
-    def headline(self) -> List[str]:
-        counts = {status: sum(run.status == status for run in self.runs) for status in ("ok", "failed", "no result")}
-        names = sorted({str(((run.result or {}).get("sweep") or {}).get("name")) for run in self.runs} - {"None"})
-        return [
-            f"Sweep {', '.join(names) or '-'} in {self.directory}: {len(self.runs)} runs, {counts['ok']} ok, "
-            f"{counts['failed']} failed, {counts['no result']} without a result",
-            *self.environment_lines(),
-            self.equal_comparison(),
-            f"Ranked by {self.objective}: {OBJECTIVES[self.objective].description}, "
-            f"{'higher' if OBJECTIVES[self.objective].maximize else 'lower'} is better.",
-        ]
-
-    def repeat_rows(self) -> List[List[str]]:
-        """One row per setting, best median objective first: medians over its finished runs, and their spread."""
-        rows = []
-        for setting, runs in self._ranked_settings():
-            done = [run for run in runs if run.ok]
-            throughput = [objective_value(run.result, "throughput") for run in done]
-            throughput = [value for value in throughput if value is not None]
-            rows.append(
-                [
-                    setting,
-                    f"{len(done)}/{len(runs)}",
-                    _fmt(_median([run.summary("compile_time_s") for run in done]), "{:,.1f}"),
-                    _fmt(_median(throughput), "{:,.0f}"),
-                    f"{min(throughput):,.0f}-{max(throughput):,.0f}" if len(throughput) > 1 else "-",
-                    _fmt(_median([self.speedup(run) for run in done]), "{:.2f}x"),
-                    str(sum(len(run.flags) > 0 for run in runs)),
-                ]
-            )
-        return rows
+    # -- recommendation -------------------------------------------------------------------------------
 
     def _median_objective(self, runs: List[Run]) -> Optional[float]:
         values = [objective_value(run.result, self.objective) for run in runs if run.ok and not run.flags]
-        return _median(values)
+        return median(values)
 
-    def _ranked_settings(self) -> List[Tuple[str, List[Run]]]:
+    def ranked_settings(self) -> List[Tuple[str, List[Run]]]:
         """Settings by their median objective, best first (as ``ranked`` orders runs); none last."""
         maximize = OBJECTIVES[self.objective].maximize
 
@@ -409,7 +228,7 @@ class Report:
         return self._recommendation_of_one_run()
 
     def _recommendation_over_seeds(self) -> str:
-        name, runs = self._ranked_settings()[0]
+        name, runs = self.ranked_settings()[0]
         value = self._median_objective(runs)
         if value is None:
             return "Recommendation: no run finished without a flag; see the flags below."
@@ -418,7 +237,7 @@ class Report:
             f"Recommendation: {name} (best median {self.objective} over {counted} seeds: "
             f"{_objective_text(self.objective, value)}"
         )
-        speedup = _median([self.speedup(run) for run in runs if run.ok and not run.flags])
+        speedup = median([self.speedup(run) for run in runs if run.ok and not run.flags])
         if speedup is not None and all(run.policy != "none" for run in runs):
             text += f"; {speedup:.2f}x its seeds' baselines (median)"
         return text + ")."
@@ -443,7 +262,7 @@ class Report:
                 text += (
                     "; never pays off its compile time"
                     if math.isinf(payback)
-                    else f"; its compile time pays off after {_steps(payback)} steps"
+                    else f"; its compile time pays off after {steps_text(payback)} steps"
                 )
         passed_over = [
             run.label
@@ -453,101 +272,6 @@ class Report:
         if passed_over:
             text += f"; ranked higher but flagged: {', '.join(passed_over)}"
         return text + ")."
-
-    def flag_lines(self) -> List[str]:
-        return [f"{run.label}: {flag}" for run in self.ranked for flag in run.flags] + self.notes
-
-    def text(self, plot: Optional[Path] = None) -> str:
-        table = text_table(COLUMNS, self.rows())
-        flags = self.flag_lines()
-        parts = [*self.headline(), "", *table, ""]
-        if self.repeated:
-            parts += ["Over the seeds (medians):", *text_table(REPEAT_COLUMNS, self.repeat_rows()), ""]
-        parts.append(self.recommendation())
-        if flags:
-            parts += ["Flags:", *(f"  - {f}" for f in flags)]
-        if plot is not None:
-            parts.append(f"Plot: {plot}")
-        return "\n".join(parts)
-
-    def markdown(self, plot: Optional[Path] = None) -> str:
-        def cells(values) -> str:
-            return "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
-
-        table = [cells(COLUMNS), cells("---" for _ in COLUMNS), *(cells(r) for r in self.rows())]
-        parts = [*(f"- {line}" for line in self.headline()), "", *table, ""]
-        if self.repeated:
-            repeats = [cells(REPEAT_COLUMNS), cells("---" for _ in REPEAT_COLUMNS)]
-            parts += ["Over the seeds (medians):", "", *repeats, *(cells(r) for r in self.repeat_rows()), ""]
-        parts.append(self.recommendation())
-        flags = self.flag_lines()
-        if flags:
-            parts += ["", "Flags:", "", *(f"- {f}" for f in flags)]
-        if plot is not None:
-            parts += ["", f"![compile time against steady throughput]({plot.name})"]
-        return "\n".join(parts)
-
-    # -- plot -----------------------------------------------------------------------------------------
-
-    def plot(self, path: Path) -> Path:
-        """Compile time against steady throughput, one labelled point per finished run."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
-
-        figure, axes = plt.subplots(figsize=(8, 5.5), dpi=120)
-        points = [
-            (run, run.summary("compile_time_s"), objective_value(run.result, "throughput"))
-            for run in self.runs
-            if run.ok
-        ]
-        points = [(run, x, y) for run, x, y in points if x is not None and y is not None]
-        for run, x, y in points:
-            flagged = bool(run.flags)
-            axes.scatter([x], [y], color="tab:red" if flagged else "tab:blue", zorder=3)
-            axes.annotate(
-                run.label + (" (flagged)" if flagged else ""),
-                (x, y),
-                textcoords="offset points",
-                xytext=(6, 6),
-                fontsize=9,
-            )
-        if self.baseline is not None and objective_value(self.baseline.result, "throughput"):
-            axes.axhline(
-                objective_value(self.baseline.result, "throughput"),
-                color="gray",
-                linestyle="--",
-                linewidth=1,
-                label=f"{self.baseline.label} (eager baseline)",
-            )
-            axes.legend(loc="lower right", fontsize=9)
-        failed = [run.label for run in self.runs if not run.ok]
-        if failed:
-            axes.text(
-                0.01,
-                0.01,
-                "not plotted (failed or no result): " + ", ".join(failed),
-                transform=axes.transAxes,
-                fontsize=8,
-                color="tab:red",
-                va="bottom",
-            )
-        axes.set_xlabel("compile time (s)")
-        axes.set_ylabel("steady throughput (tokens/s)")
-        axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
-        axes.margins(x=0.2, y=0.15)
-        axes.set_xlim(left=0)
-        axes.set_ylim(bottom=0)
-        device = ", ".join(sorted({device for device, _ in self.environments()})) or "unknown device"
-        axes.set_title(f"{self.directory.name}: compile time vs throughput\n{device}", fontsize=10)
-        axes.grid(alpha=0.3)
-        figure.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path)
-        plt.close(figure)
-        return path
 
 
 def build_report(
@@ -568,7 +292,8 @@ def build_report(
     return report
 
 
-def _median(values: List[Optional[float]]) -> Optional[float]:
+def median(values: List[Optional[float]]) -> Optional[float]:
+    """The median of the values there are; ``None`` without any."""
     present = [value for value in values if value is not None]
     return statistics.median(present) if present else None
 
@@ -582,13 +307,8 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _fmt(value: Optional[float], pattern: str) -> str:
-    if value is None:
-        return "-"
-    return pattern.format(int(value)) if pattern == "{:d}" else pattern.format(value)
-
-
-def _steps(value: Optional[float]) -> str:
+def steps_text(value: Optional[float]) -> str:
+    """A payback in steps as the report writes it: rounded up, ``never``, or ``-`` where unknown."""
     if value is None:
         return "-"
     return "never" if math.isinf(value) else f"{math.ceil(value):,}"
