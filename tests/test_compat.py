@@ -1,6 +1,7 @@
 """Every private torch API the library reaches, probed on the installed torch (``compile_trainer.compat``).
 
-A torch upgrade that moves or changes one of them fails here first, with the entry's name."""
+A torch upgrade that moves or changes one of them fails here first, with the entry's name; raising the oldest
+supported torch fails here until the code kept for the versions dropped is gone."""
 
 import ast
 import importlib
@@ -123,12 +124,30 @@ def test_no_entry_keeps_code_for_a_torch_older_than_the_oldest_supported():
     )
 
 
-def test_raising_the_oldest_torch_names_the_entries_it_makes_obsolete():
+def test_the_oldest_supported_torch_is_the_one_ci_tests():
+    """pyproject.toml's ``torch>=X.Y`` read here as .ci/torch_versions.sh reads it (its own snippet, run)."""
+    script = (ROOT / ".ci" / "torch_versions.sh").read_text()
+    snippet = re.search(r"oldest=\$\(python - <<'EOF'\n(.*?)\nEOF", script, flags=re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{}.{}.*".format(*oldest_supported_torch())
     assert oldest_supported_torch() <= compat.torch_version(), "the installed torch is one the project supports"
-    named = obsolete_code(compat.ENTRIES, (2, 14))
-    assert any(line.startswith("fx_tracing_check: obsolete once torch >= 2.14") for line in named), named
-    assert any(line.startswith("set_ignored_logger_methods: obsolete once torch >= 2.12") for line in named), named
-    assert not [line for line in obsolete_code(compat.ENTRIES, (2, 11)) if line.startswith("fx_tracing_check")]
+
+
+def test_raising_the_oldest_torch_names_each_entry_it_makes_obsolete_and_what_to_remove():
+    kept = compat.Entry(
+        "kept_for_old_torch",
+        lambda: None,
+        reaches=("torch.compile",),
+        checked=("2.13",),
+        obsolete=(compat.Obsolete((2, 12), "the branch for torch 2.11"),),
+    )
+    assert obsolete_code([kept], (2, 11)) == []
+    assert (
+        obsolete_code([kept], (2, 12))
+        == obsolete_code([kept], (2, 14))
+        == ["kept_for_old_torch: obsolete once torch >= 2.12 is the oldest supported; remove the branch for torch 2.11"]
+    )
 
 
 def _is_private(name: str) -> bool:
