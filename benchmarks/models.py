@@ -8,7 +8,7 @@ from typing import Callable, Tuple
 import torch
 from torch import nn
 
-from compile_trainer import compat
+from compile_trainer.telemetry.flops import grouped_query_attention_formulas
 from recipes.gpt import GPTConfig
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
@@ -121,7 +121,7 @@ def count_flops(model: nn.Module, loss: Callable[[], torch.Tensor], device: torc
     GPU), counted once; grouped-query attention with the library's formulas (torch < 2.13's assert equal heads)."""
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    formulas = compat.grouped_query_attention_formulas(flop_registry)
+    formulas = grouped_query_attention_formulas(flop_registry)
     for formula in formulas.values():
         formula._get_raw = True  # type: ignore[attr-defined]  # called with the op's arguments, not their shapes
     counter = FlopCounterMode(display=False, custom_mapping=formulas)

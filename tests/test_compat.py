@@ -1,13 +1,17 @@
 """Every private torch API the library reaches, probed on the installed torch (``compile_trainer.compat``).
 
-A torch upgrade that moves or changes one of them fails here first, with the entry's name."""
+A torch upgrade that moves or changes one of them fails here first, with the entry's name; raising the oldest
+supported torch fails here until the code kept for the versions dropped is gone."""
 
 import ast
+import importlib
 import inspect
 import os
+import pkgutil
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,38 +19,135 @@ import torch
 
 from compile_trainer import compat
 
-PACKAGE = Path(compat.__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "compile_trainer"
+DOOR = Path(compat.__file__).resolve().parent
+DOOR_MODULES = [
+    importlib.import_module(f"{compat.__name__}.{info.name}") for info in pkgutil.iter_modules(compat.__path__)
+]
 
 
-@pytest.mark.parametrize("entry", compat.ENTRIES, ids=lambda entry: entry.name)
+@pytest.mark.parametrize("entry", [e for e in compat.ENTRIES if e.present_from is None], ids=lambda e: e.name)
 def test_each_private_torch_api_works_on_this_torch(entry):
     assert entry.probe() is None, "a probe asserts what it needs; a value it returned would be ignored"
 
 
-@pytest.mark.parametrize("entry, version", compat.VERSIONED_ENTRIES, ids=lambda item: getattr(item, "name", ""))
-def test_versioned_entries_exist_from_their_version(entry, version):
-    if compat.torch_version() < version:
-        assert compat.needs_torch(entry.name, version) is not None
+@pytest.mark.parametrize("entry", [e for e in compat.ENTRIES if e.present_from is not None], ids=lambda e: e.name)
+def test_versioned_entries_exist_from_their_version(entry):
+    if compat.torch_version() < entry.present_from:
+        assert compat.needs_torch(entry.name, entry.present_from) is not None
         with pytest.raises((AttributeError, ImportError, RuntimeError, AssertionError)):
             entry.probe()
     else:
         assert entry.probe() is None
 
 
-# Not entries: the version helpers, and the feature checks their entries' probes call.
-NOT_PROBED = {"torch_version", "needs_torch", "Entry", "LoggerMethodName"}
+def test_the_entries_are_gathered_from_every_module_of_the_door():
+    """``compat.ENTRIES`` is every module's ``ENTRIES`` (a new module's entries probed too), each name once; every
+    name a module exports is exported by the package."""
+    gathered = [entry for module in DOOR_MODULES for entry in getattr(module, "ENTRIES", [])]
+    assert sorted(e.name for e in compat.ENTRIES) == sorted(e.name for e in gathered)
+    assert len({e.name for e in compat.ENTRIES}) == len(compat.ENTRIES)
+    exported = {name for module in DOOR_MODULES for name in module.__all__} - {"ENTRIES"}
+    assert exported <= set(compat.__all__) and all(getattr(compat, name) is not None for name in compat.__all__)
+
+
+# Not entries: the version helpers, the records, and a class its entry's probe uses through its setter.
+NOT_PROBED = {"torch_version", "needs_torch", "Entry", "Obsolete", "LoggerMethodName"}
 
 
 def test_every_function_of_compat_is_used_by_a_probe():
     """A new door to torch's internals comes with a probe: each public name of compat appears in a probe's source."""
-    probes = [entry.probe for entry in compat.ENTRIES] + [entry.probe for entry, _ in compat.VERSIONED_ENTRIES]
-    sources = "\n".join(inspect.getsource(probe) for probe in probes)
+    sources = "\n".join(inspect.getsource(entry.probe) for entry in compat.ENTRIES)
     public = [
         name
-        for name, value in vars(compat).items()
-        if not name.startswith("_") and callable(value) and getattr(value, "__module__", None) == compat.__name__
+        for module in DOOR_MODULES
+        for name in module.__all__
+        if name != "ENTRIES" and callable(getattr(module, name))
     ]
     assert not [name for name in public if name not in NOT_PROBED and not re.search(rf"\b{name}\b", sources)]
+
+
+def _resolves(qualified: str) -> bool:
+    """Whether torch has ``qualified``: its longest importable module, then attributes."""
+    parts = qualified.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[split:]:
+                value = getattr(value, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+TORCH_SYMBOL = re.compile(r"torch(\.[A-Za-z_]\w*)+")
+CHECKED = re.compile(r"2\.\d+(\.\d+)?( \S.*)?")  # a torch version, then where: "2.11 H100"; the CPU without
+
+
+@pytest.mark.parametrize("entry", compat.ENTRIES, ids=lambda e: e.name)
+def test_every_entry_names_the_torch_symbols_it_reaches_and_the_versions_it_was_checked_on(entry):
+    assert entry.reaches and all(TORCH_SYMBOL.fullmatch(name) for name in entry.reaches), entry.reaches
+    if entry.present_from is None or compat.torch_version() >= entry.present_from:
+        assert _resolves(entry.reaches[0]), f"{entry.name}: torch {torch.__version__} has no {entry.reaches[0]}"
+    assert entry.checked and all(CHECKED.fullmatch(version) for version in entry.checked), entry.checked
+    assert all(re.fullmatch(r"https://github\.com/pytorch/pytorch/(issues|pull)/\d+", url) for url in entry.upstream)
+    assert all(obsolete.what and len(obsolete.torch) == 2 for obsolete in entry.obsolete), entry.obsolete
+
+
+def oldest_supported_torch() -> tuple:
+    """The oldest torch pyproject.toml declares (``torch>=X.Y``), as .ci/torch_versions.sh reads it."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (found,) = [m for r in dependencies if (m := re.fullmatch(r"torch>=(\d+)\.(\d+)", r))]
+    return int(found.group(1)), int(found.group(2))
+
+
+def obsolete_code(entries, oldest: tuple) -> list:
+    """What the entries keep for torch versions older than ``oldest``: one line per piece, naming the entry."""
+    return [
+        f"{entry.name}: obsolete once torch >= {'.'.join(map(str, obsolete.torch))} is the oldest supported; "
+        f"remove {obsolete.what}"
+        for entry in entries
+        for obsolete in entry.obsolete
+        if oldest >= obsolete.torch
+    ]
+
+
+def test_no_entry_keeps_code_for_a_torch_older_than_the_oldest_supported():
+    """Raising ``torch>=X.Y`` in pyproject.toml fails here until the code kept for the versions dropped is gone."""
+    assert not obsolete_code(compat.ENTRIES, oldest_supported_torch()), "\n".join(
+        obsolete_code(compat.ENTRIES, oldest_supported_torch())
+    )
+
+
+def test_the_oldest_supported_torch_is_the_one_ci_tests():
+    """pyproject.toml's ``torch>=X.Y`` read here as .ci/torch_versions.sh reads it (its own snippet, run)."""
+    script = (ROOT / ".ci" / "torch_versions.sh").read_text()
+    snippet = re.search(r"oldest=\$\(python - <<'EOF'\n(.*?)\nEOF", script, flags=re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "{}.{}.*".format(*oldest_supported_torch())
+    assert oldest_supported_torch() <= compat.torch_version(), "the installed torch is one the project supports"
+
+
+def test_raising_the_oldest_torch_names_each_entry_it_makes_obsolete_and_what_to_remove():
+    kept = compat.Entry(
+        "kept_for_old_torch",
+        lambda: None,
+        reaches=("torch.compile",),
+        checked=("2.13",),
+        obsolete=(compat.Obsolete((2, 12), "the branch for torch 2.11"),),
+    )
+    assert obsolete_code([kept], (2, 11)) == []
+    assert (
+        obsolete_code([kept], (2, 12))
+        == obsolete_code([kept], (2, 14))
+        == ["kept_for_old_torch: obsolete once torch >= 2.12 is the oldest supported; remove the branch for torch 2.11"]
+    )
 
 
 def _is_private(name: str) -> bool:
@@ -120,7 +221,7 @@ def test_private_torch_apis_are_reached_only_through_compat():
     offenders = {
         str(path.relative_to(PACKAGE)): names
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path.name != "compat.py"
+        if DOOR not in path.resolve().parents
         and (names := [n for n in private_torch_uses(path.read_text()) if not allowed.match(n)])
     }
     assert not offenders
@@ -173,11 +274,11 @@ def test_the_compiler_warmup_starts_for_inductor_policies_on_a_gpu_only(monkeypa
 
     assert uses_inductor(to_policy("regional")) and uses_inductor(to_policy("none", optimizer={"compile": "true"}))
     assert not uses_inductor(to_policy("regional", backend="aot_eager")) and not uses_inductor(to_policy("none"))
-    monkeypatch.setattr(compat, "_compiler_keys_prefetched", False)
+    monkeypatch.setattr(compat.inductor, "_compiler_keys_prefetched", False)
     CompileCallback("regional", backend="aot_eager")
-    assert compat._compiler_keys_prefetched is False
+    assert compat.inductor._compiler_keys_prefetched is False
     CompileCallback("regional")
-    assert compat._compiler_keys_prefetched is torch.cuda.is_available()
+    assert compat.inductor._compiler_keys_prefetched is torch.cuda.is_available()
 
 
 FORKED_WORKERS = """

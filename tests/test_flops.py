@@ -8,7 +8,7 @@ import torch
 import transformers
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils.data import DataLoader
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from compile_trainer import CompileCallback, compat
 from compile_trainer.telemetry.flops import StepFlopCount
@@ -277,6 +277,17 @@ def test_a_formula_that_fails_stops_the_count_not_the_step():
         count.finish()
     torch.testing.assert_close(product, (x @ weight).relu())
     torch.testing.assert_close(weight.grad, x.t() @ ((x @ weight) > 0).float())
+
+
+def test_grouped_query_attention_is_counted_as_if_its_keys_and_values_were_repeated():
+    """Llama's and Qwen's attention: 8 query heads, 2 key and value heads. The kernels compute what keys and values
+    repeated to the query's heads would; a step is counted so (torch < 2.13's own formulas asserted equal heads)."""
+    attention = torch.ops.aten._scaled_dot_product_efficient_attention
+    query, grouped = torch.empty(2, 8, 16, 32, device="meta"), torch.empty(2, 2, 16, 32, device="meta")
+    repeated = flop_registry[attention](query, query, query, None, False, out_val=None)
+    counted = StepFlopCount().tally.flop_registry[attention]
+    assert counted is not flop_registry[attention], "the step counts with formulas of its own"
+    assert counted(query, grouped, grouped, None, False, out_val=None) == repeated > 0
 
 
 def _formula_that_fails(*args, out_val=None, **kwargs):

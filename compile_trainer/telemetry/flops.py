@@ -5,8 +5,9 @@ batch, from ``on_train_batch_start`` to ``on_before_optimizer_step``). Meanwhile
 
 - **Eager code** (everything outside compiled graphs: a ``none`` policy, the parts a policy leaves eager, the code
   between graph breaks, and the backward of eager code) is counted op by op by ``torch.utils.flop_counter``'s
-  formulas, through a dispatch mode that ``torch.compile`` ignores (``compat.FlopTally``): Dynamo compiles and
-  guards as it would without it, so the step compiles what it would have compiled and nothing more.
+  formulas (``step_formulas``: with grouped-query attention), through a dispatch mode that ``torch.compile``
+  ignores (``compat.FlopTally``): Dynamo compiles and guards as it would without it, so the step compiles what it
+  would have compiled and nothing more.
 - **Each call of a compiled graph** (``compiling.backends.observing_graph_calls``) is counted from the graph
   itself: the FX graph Dynamo gave the backend, run forward and backward on fake tensors shaped like the call's
   inputs (no data, no kernels, no random numbers), once per graph and input shapes. Whatever the backend made of
@@ -33,6 +34,57 @@ from compile_trainer import compat
 from compile_trainer.compiling.backends import observing_graph_calls
 
 GraphFlops = Tuple[int, int]  # forward, backward
+Formulas = Dict[Any, Callable[..., int]]  # an op's overload packet -> its FLOPs formula
+
+# Attention ops with the heads of query, key and value at these places: (index of the query among the op's
+# arguments, dimension of the heads); key and value follow the query.
+_ATTENTION_HEADS = {
+    "_scaled_dot_product_efficient_attention": (0, 1),
+    "_scaled_dot_product_flash_attention": (0, 1),
+    "_scaled_dot_product_cudnn_attention": (0, 1),
+    "_scaled_dot_product_efficient_attention_backward": (1, 1),
+    "_scaled_dot_product_flash_attention_backward": (1, 1),
+    "_scaled_dot_product_cudnn_attention_backward": (1, 1),
+    "_flash_attention_forward": (0, 2),
+    "_efficient_attention_forward": (0, 2),
+    "_flash_attention_backward": (1, 2),
+    "_efficient_attention_backward": (1, 2),
+}
+
+
+def grouped_query_attention_formulas(registry: Formulas) -> Formulas:
+    """``registry``'s attention formulas for keys and values with fewer heads than the query (grouped-query
+    attention: Llama's, Qwen's), counted as if repeated to the query's heads, which is what the kernels compute.
+    torch's own formulas assert equal heads before 2.13 (seen on 2.11's CUDA kernels); from 2.13 the count is
+    theirs (compat's ``FlopTally`` entry says when this goes)."""
+
+    def repeated_heads(original: Callable[..., int], query_at: int, heads: int) -> Callable[..., int]:
+        def formula(*args: Any, out_val: Any = None, **kwargs: Any) -> int:
+            args_list = list(args)
+            query = args_list[query_at]
+            for index in (query_at + 1, query_at + 2):  # key, value
+                tensor = args_list[index]
+                if isinstance(tensor, torch.Tensor) and tensor.dim() == 4 and tensor.shape[heads] != query.shape[heads]:
+                    shape = list(tensor.shape)
+                    shape[heads] = query.shape[heads]
+                    args_list[index] = torch.empty(shape, device="meta")  # the formulas read only its shape
+            return original(*args_list, out_val=out_val, **kwargs)
+
+        return formula
+
+    formulas = {}
+    for name, (query_at, heads) in _ATTENTION_HEADS.items():
+        op = getattr(torch.ops.aten, name, None)
+        if op is not None and op in registry:
+            formulas[op] = repeated_heads(registry[op], query_at, heads)
+    return formulas
+
+
+def step_formulas() -> Formulas:
+    """The formulas a step is counted by: torch.utils.flop_counter's, its attention taking grouped-query attention."""
+    from torch.utils.flop_counter import flop_registry
+
+    return dict(flop_registry) | grouped_query_attention_formulas(flop_registry)
 
 
 def _signature(args: Tuple[Any, ...]) -> Tuple[Any, ...]:
@@ -64,11 +116,11 @@ def graph_flops(graph: torch.fx.GraphModule, args: Tuple[Any, ...]) -> GraphFlop
     inputs = [fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     wanted += [fake.from_tensor(p) for p in graph.parameters() if p.requires_grad]
-    forward = compat.FlopTally()
+    forward = compat.FlopTally(formulas=step_formulas())
     with fake, forward.mode():
         outputs = compat.run_graph_inlining_subgraphs(graph, *inputs)
     differentiable = [o for o in tree_leaves(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
-    backward = compat.FlopTally()
+    backward = compat.FlopTally(formulas=step_formulas())
     if differentiable and wanted:
         with fake, backward.mode():
             grads = [torch.ones_like(o) for o in differentiable]
@@ -106,6 +158,7 @@ class StepFlopCount:
         self.tally = compat.FlopTally(
             counting=lambda: not getattr(self._paused, "depth", 0) and not torch.compiler.is_compiling(),
             real_only=True,
+            formulas=step_formulas(),
         )
         self._graphs: Dict[Tuple[int, Tuple[Any, ...]], GraphFlops] = {}
         self._mode: Optional[Any] = None
