@@ -10,7 +10,7 @@ from typing import Any, Callable, List, Tuple
 
 import torch
 
-from .entry import Entry, double, double_with_break, fresh, needs_torch
+from .entry import Entry, double, double_with_break, fresh
 
 __all__ = [
     "ENTRIES",
@@ -23,12 +23,10 @@ __all__ = [
 
 
 def dynamo_callback_handler() -> Any:
-    """Compile start/end callbacks with a trigger and a compile id (2.8+). ``torch._dynamo.reset()`` clears the
+    """Compile start/end callbacks with a trigger and a compile id. ``torch._dynamo.reset()`` clears the
     handlers: register again after a reset."""
-    try:
-        from torch._dynamo.callback import callback_handler
-    except ImportError as error:  # pragma: no cover - torch < 2.8
-        raise RuntimeError(f"compile telemetry {needs_torch('torch._dynamo.callback', (2, 8))}") from error
+    from torch._dynamo.callback import callback_handler
+
     return callback_handler
 
 

@@ -97,6 +97,5 @@ ENTRIES = [
         _probe_nested_compile_region,
         reaches=("torch.compiler.nested_compile_region",),
         checked=("2.9.1", "2.13"),
-        present_from=(2, 8),
     ),
 ]
