@@ -1,6 +1,7 @@
 """Telemetry in a real Lightning fit: throughput without compile steps, FLOPs and MFU, logged series."""
 
 import csv
+import inspect
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from compile_trainer import CompileCallback, compat
+from compile_trainer.lightning.fit_telemetry import FitTelemetry
+from compile_trainer.lightning.no_telemetry import NoTelemetry
 from compile_trainer.schema import SettingsError, to_telemetry_config
 from tests import telemetry_models as models
 from tests import user_models
@@ -99,8 +102,20 @@ def test_telemetry_off_registers_nothing(tmp_path):
     policy = {"rules": [{"name": "net.blocks", "action": "regional"}], "backend": "eager"}
     callback = CompileCallback(policy, telemetry=False)
     fit(models.TinyRegression(batch_size=BATCH), callback, steps=2, tmp_path=tmp_path)
-    assert callback.telemetry is None and callback.summary() == {}
+    assert isinstance(callback.telemetry, NoTelemetry) and callback.summary() == {}
     assert handler.start_callbacks == before
+
+
+def test_no_telemetry_has_the_methods_of_fit_telemetry():
+    """The callback calls its telemetry without asking whether it is on: the stand-in answers every public method
+    of the real one, with the same parameters."""
+
+    def methods(cls):
+        found = {name: inspect.signature(f) for name, f in vars(cls).items() if callable(f) and not name[0] == "_"}
+        return {name: [(p.name, p.kind, p.default) for p in sig.parameters.values()] for name, sig in found.items()}
+
+    assert methods(NoTelemetry) == methods(FitTelemetry)
+    assert (NoTelemetry.enabled, FitTelemetry.enabled) == (False, True)
 
 
 @pytest.mark.parametrize(

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import nullcontext
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
 
 from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
@@ -22,7 +22,8 @@ from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.lightning.batch_hooks import ShapeHooks
-from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics
+from compile_trainer.lightning.fit_telemetry import FitTelemetry, cache_metrics, telemetry_for
+from compile_trainer.lightning.no_telemetry import NoTelemetry
 from compile_trainer.lightning.strategies import (
     BACKGROUND_IN_FOREGROUND_UNDER_FSDP2,
     BUCKET_WARMUP_OFF_UNDER_FSDP2,
@@ -41,7 +42,6 @@ from compile_trainer.optimizer import (
 )
 from compile_trainer.schema import CompilePolicy, PolicyError, policy_to_dict, to_policy, to_telemetry_config
 from compile_trainer.schema.shapes import describe_shapes
-from compile_trainer.telemetry.ranks import describe_rank_report, gather_rank_summaries, rank_metrics, rank_report
 
 log = logging.getLogger(__name__)
 WARM_AFTER_STEPS = 2  # optimizer steps after which the compile cache writes its bundle (all of a step compiled)
@@ -75,16 +75,16 @@ class CompileCallback(pl.Callback):
         self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
         self.applied_before_fit: Optional[AppliedPolicy] = None  # on the module at setup, before configure_model
         self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
-        config = to_telemetry_config(telemetry)
-        self.telemetry: Optional[FitTelemetry] = FitTelemetry(config) if config.enabled else None
+        self.telemetry: Union[FitTelemetry, NoTelemetry] = telemetry_for(to_telemetry_config(telemetry))
 
     def summary(self) -> Dict[str, Any]:
         """Headline numbers of the telemetry (compile time, recompiles, steady throughput, MFU...)."""
-        summary = self.telemetry.summary() if self.telemetry is not None else {}
+        summary = self.telemetry.summary()
         summary |= self.background.summary() if self.background is not None else {}
         summary |= {"ranks": self.ranks} if self.ranks is not None else {}
         return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.optimizer_steps = compile_optimizers(
             trainer.optimizers, self.policy.optimizer, self.policy.backend, lambda c: _log_choice(trainer, c)
@@ -93,17 +93,14 @@ class CompileCallback(pl.Callback):
         if self.print_plan and self.optimizer_steps:
             rank_zero_info(describe_steps(self.optimizer_steps))
         if self.applied is not None and getattr(pl_module, APPLIED_ATTR, None) is self.applied:
-            if self.telemetry is not None:  # a second fit() of the same model keeps the compiled regions
-                self.telemetry.start(trainer, pl_module, self.applied)
+            self.telemetry.start(trainer, pl_module, self.applied)  # a second fit() keeps the compiled regions
             self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
             return
-        if self.telemetry is not None:
-            self.telemetry.before_policy(pl_module)
+        self.telemetry.before_policy(pl_module)
         if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
             self.cache = CompileCache(self.policy.cache)
             self.cache.load(pl_module, self.policy, pl_module.device)
-            if self.telemetry is not None:
-                self.telemetry.recorded_flops = self.cache.outcome.flops_record
+            self.telemetry.recorded_flops = self.cache.outcome.flops_record
         self.applied = self._adopt_applied(pl_module)
         if self.applied is None:
             self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
@@ -115,8 +112,7 @@ class CompileCallback(pl.Callback):
                 self.background = BackgroundCompile(self.applied)
             else:
                 self.applied.compile_in_foreground(BACKGROUND_IN_FOREGROUND_UNDER_FSDP2)
-        if self.telemetry is not None:
-            self.telemetry.start(trainer, pl_module, self.applied)
+        self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             cache_line = [self.cache.describe()] if self.cache is not None else []
             where = [where_compiled(self.strategy)] if self.strategy != "single" else []
@@ -174,6 +170,7 @@ class CompileCallback(pl.Callback):
             if self.print_plan:
                 rank_zero_info(f"note: {self.gradient_copies.describe()}")
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         others = [c for c in trainer.callbacks if isinstance(c, CompileCallback) and c is not self]
         if others:
@@ -188,42 +185,47 @@ class CompileCallback(pl.Callback):
         if self.strategy != "single":
             check_distributed_runtime(self.policy)
         if stage == "fit" and self.policy.shapes.active:
-            phase = {"phase": self.telemetry.phase} if self.telemetry is not None else {}
             warm_up = warms_up_buckets(self.strategy)
-            self.shape_hooks = ShapeHooks(trainer, self.policy.shapes, warm_up_buckets=warm_up, **phase)
-            if self.telemetry is not None and self.policy.shapes.pad.enabled:
-                self.telemetry.summary_sources["padding"] = self.shape_hooks.shaper.padding_summary
+            self.shape_hooks = ShapeHooks(
+                trainer, self.policy.shapes, phase=self.telemetry.phase, warm_up_buckets=warm_up
+            )
+            if self.policy.shapes.pad.enabled:
+                self.telemetry.add_summary_source("padding", self.shape_hooks.shaper.padding_summary)
             if self.print_plan:
                 off = [BUCKET_WARMUP_OFF_UNDER_FSDP2] if self.policy.shapes.warmup and not warm_up else []
                 rank_zero_info("\n".join([describe_shapes(self.policy.shapes), *off]))
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._remove_shape_hooks()
-        if self.telemetry is not None:
-            self.telemetry.stop()
+        self.telemetry.stop()
 
     def _remove_shape_hooks(self) -> None:
         if self.shape_hooks is not None:
             self.shape_hooks.remove()
             self.shape_hooks = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.background is not None and not self.background.installed and self.background.poll():
             _log_background(trainer, self.background)
         self.applied.begin_step()
         self._loads_at_step_start = self.cache.precompiled_loads if self.cache is not None else 0
-        if self.telemetry is not None:
-            self.telemetry.on_train_batch_start(trainer, batch)
+        self.telemetry.on_train_batch_start(trainer, batch)
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.telemetry is not None:
-            self.telemetry.on_before_optimizer_step(trainer)
+        self.telemetry.on_before_optimizer_step(trainer)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.telemetry is not None:
-            compiling = self.background is not None and self.background.disturbs_steps
-            loaded = self.cache is not None and self.cache.precompiled_loads != self._loads_at_step_start
-            self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling, loaded_compiled_code=loaded)
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        compiling = self.background is not None and self.background.disturbs_steps
+        loaded = self.cache is not None and self.cache.precompiled_loads != self._loads_at_step_start
+        self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling, loaded_compiled_code=loaded)
         if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
             self._save_cache()
 
@@ -237,57 +239,49 @@ class CompileCallback(pl.Callback):
                     "(once per bundle: later runs skip their tracing)"
                 )
             regions = [item.region.name for item in self.applied.compiled]
-            flops = self.telemetry.flops_record() if self.telemetry is not None else None
+            flops = self.telemetry.flops_record()
             self.cache.save(regions, self.summary().get("compile_time_s"), final=final, flops_record=flops)
 
+    @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.telemetry is not None:
-            self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
+        self.telemetry.set_phase("sanity check" if trainer.sanity_checking else "validation")
 
+    @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._save_cache()
 
-    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0):
+    @override
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self.applied is not None:  # None in trainer.validate() without a fit: nothing was compiled
             self.applied.begin_step()
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.background is not None and not self.background.installed:
             self.background.close(finish=False)  # training ended first: the thread stops after its current region
             _log_background(trainer, self.background)
         # Here, not at fit end: Lightning's teardown, before on_fit_end, moves a GPU module to the CPU, away from
         # the inputs its captures kept. The captures' traces are not the run's compiles.
-        paused = self.telemetry.compile.paused() if self.telemetry and self.telemetry.compile else nullcontext()
-        with paused:
+        with self.telemetry.compiles_paused():
             self._save_cache(final=True)
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._report_ranks(trainer)
+        if self.strategy != "single" and self.policy.distributed.report_divergent_recompiles:
+            self.ranks = self.telemetry.report_ranks(trainer)  # a collective: every rank runs it
         cache = self.cache.summary(self.summary().get("compile_time_s")) if self.cache is not None else {}
-        if self.telemetry is not None:
-            self.telemetry.finish(trainer, cache)
+        self.telemetry.finish(trainer, cache)
         if cache:
             rank_zero_info(self.cache.describe())
             for logger in trainer.loggers:
                 logger.log_metrics(cache_metrics(cache), step=trainer.global_step)
 
-    def _report_ranks(self, trainer: pl.Trainer) -> None:
-        """Every rank's compile time and recompiles, gathered (a collective: every rank runs it) and logged once."""
-        wanted = self.policy.distributed.report_divergent_recompiles
-        if self.strategy == "single" or self.telemetry is None or not wanted:
-            return
-        summaries = gather_rank_summaries(self.telemetry.summary())
-        if summaries is None:
-            return
-        self.ranks = rank_report(summaries)
-        rank_zero_info(describe_rank_report(self.ranks))
-        for logger in trainer.loggers:  # Lightning's loggers write on rank 0 only
-            logger.log_metrics(rank_metrics(self.ranks), step=trainer.global_step)
-
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.telemetry is not None:
-            self.telemetry.stop()
+        self.telemetry.stop()
         self._remove_shape_hooks()
         if self.gradient_copies is not None:
             self.gradient_copies.remove()

@@ -1,6 +1,7 @@
 """Telemetry of a Lightning fit: compile events and throughput, logged through the Trainer's loggers.
 
-``FitTelemetry`` holds the logic that ``CompileCallback`` calls from its hooks. Series go to every
+``FitTelemetry`` holds the logic that ``CompileCallback`` calls from its hooks (``telemetry_for`` gives it, or
+``no_telemetry.NoTelemetry``, which does nothing, when telemetry is off). Series go to every
 logger under ``compile/...`` and ``throughput/...`` (so CSV and TensorBoard get them too); a W&B run
 also gets a table of recompile / graph-break events, a table of regions, and the headline numbers in
 its summary under ``summary/<key>``. ``summary()`` returns those numbers as a plain dict; its keys are
@@ -13,7 +14,7 @@ import contextlib
 import importlib
 import logging
 import re
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -21,10 +22,12 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from compile_trainer import compat
 from compile_trainer.compiling.regions import AppliedPolicy
+from compile_trainer.lightning.no_telemetry import NoTelemetry
 from compile_trainer.schema import SettingsError, TelemetryConfig
 from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
 from compile_trainer.telemetry.compile_report import format_compile_report
 from compile_trainer.telemetry.flops import StepFlopCount, step_signature
+from compile_trainer.telemetry.ranks import describe_rank_report, gather_rank_summaries, rank_metrics, rank_report
 from compile_trainer.telemetry.throughput import (
     COMPILE,
     STEADY,
@@ -61,6 +64,8 @@ def metric_key(label: str) -> str:
 class FitTelemetry:
     """Compile telemetry and throughput for one LightningModule across its fits."""
 
+    enabled = True
+
     def __init__(self, config: TelemetryConfig):
         self.config = config
         self.items_fn = resolve_callable(config.items_fn, "items_fn")
@@ -83,6 +88,10 @@ class FitTelemetry:
         self._recordings_at_start = self._warmed_up_at_start = 0
         # Other parts' headline numbers by part (``"padding"``), merged into ``summary()``
         self.summary_sources: Dict[str, Callable[[], Dict[str, Any]]] = {}
+
+    def add_summary_source(self, part: str, source: Callable[[], Dict[str, Any]]) -> None:
+        """``source()``'s numbers go into ``summary()`` (replacing an earlier source of ``part``)."""
+        self.summary_sources[part] = source
 
     # -- hooks --------------------------------------------------------------------------------------
 
@@ -126,6 +135,10 @@ class FitTelemetry:
         finally:
             if previous is not None:
                 self.set_phase(previous)
+
+    def compiles_paused(self) -> ContextManager[None]:
+        """Compiles inside are not the run's (``CompileTelemetry.paused``): the compile cache's captures."""
+        return self.compile.paused() if self.compile is not None else contextlib.nullcontext()
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch: Any) -> None:
         self.compile.ensure_installed()
@@ -193,6 +206,18 @@ class FitTelemetry:
             self._flop_count = None
         if self.compile is not None:
             self.compile.uninstall()
+
+    def report_ranks(self, trainer: pl.Trainer) -> Optional[Dict[str, Any]]:
+        """Every rank's compile time and recompiles, gathered (a collective: every rank calls it), printed and
+        logged once; the report, or None on one process."""
+        summaries = gather_rank_summaries(self.summary())
+        if summaries is None:
+            return None
+        report = rank_report(summaries)
+        rank_zero_info(describe_rank_report(report))
+        for logger in trainer.loggers:  # Lightning's loggers write on rank 0 only
+            logger.log_metrics(rank_metrics(report), step=trainer.global_step)
+        return report
 
     # -- measurements -------------------------------------------------------------------------------
 
@@ -328,6 +353,11 @@ class FitTelemetry:
         if summary["cudagraph_skips"]:
             lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
         return "\n".join(lines)
+
+
+def telemetry_for(config: TelemetryConfig) -> Union[FitTelemetry, NoTelemetry]:
+    """The fit's telemetry: ``FitTelemetry``, or ``NoTelemetry`` when ``config.enabled`` is off."""
+    return FitTelemetry(config) if config.enabled else NoTelemetry(config)
 
 
 def cache_metrics(cache_summary: Dict[str, Any]) -> Dict[str, float]:
