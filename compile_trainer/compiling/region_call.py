@@ -6,6 +6,7 @@ it eagerly while a background thread compiles it) are ``Interceptor`` objects ad
 ``InterceptorChain``; nothing else wraps a region's call. The order is declared here, outermost first:
 
 ========================  ==========================================================================
+``EAGER_REFERENCE``       eager reference steps: the first training steps run the original code (telemetry)
 ``SYNC_VALUES``           per-block values: refill the buffers the compiled code reads them from (drop-path rates)
 ``PROMOTE_INPUTS``        dtypes: upcast a block's lower-precision inputs where it promotes them anyway
 ``MARK_INPUTS``           shapes: mark the region's inputs dynamic like the batch (before anything records them)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
+EAGER_REFERENCE = 2
 SYNC_VALUES = 5
 PROMOTE_INPUTS = 7
 MARK_INPUTS = 10

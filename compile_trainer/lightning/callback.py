@@ -18,6 +18,7 @@ from typing_extensions import override
 from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
+from compile_trainer.compiling.eager_reference import EagerReferenceSteps, eager_reference_for
 from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.compiling.warmup import start_compiler_warmup
@@ -67,6 +68,8 @@ class CompileCallback(pl.Callback):
         self.applied: Optional[AppliedPolicy] = None
         self.shape_hooks: Optional[ShapeHooks] = None
         self.background: Optional[BackgroundCompile] = None
+        self.eager_reference: Optional[EagerReferenceSteps] = None  # the first steps, run eagerly for the speedup
+        self._warm_at_step = WARM_AFTER_STEPS  # the compile cache's first save: after the eager reference steps
         self.optimizer_steps: List[CompiledOptimizerStep] = []
         self.gradient_copies: Optional[GradientCopies] = None
         self.trainer_clipping: Optional[tuple] = None  # the Trainer's clipping, handed to the compiled steps
@@ -112,11 +115,14 @@ class CompileCallback(pl.Callback):
                 self.background = BackgroundCompile(self.applied)
             else:
                 self.applied.compile_in_foreground(BACKGROUND_IN_FOREGROUND_UNDER_FSDP2)
+        reference_steps = self.telemetry.config.eager_reference_steps if self.telemetry.enabled else 0
+        self.eager_reference = eager_reference_for(self.applied, reference_steps)
         self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
             cache_line = [self.cache.describe()] if self.cache is not None else []
             where = [where_compiled(self.strategy)] if self.strategy != "single" else []
-            rank_zero_info("\n".join([format_plan_table(self.applied), *where, *cache_line]))
+            eager = [self.eager_reference.describe()] if self.eager_reference is not None else []
+            rank_zero_info("\n".join([format_plan_table(self.applied), *where, *cache_line, *eager]))
         chosen = self.shape_hooks.choose_auto_buckets() if self.shape_hooks is not None else None
         if chosen and self.print_plan:
             rank_zero_info(chosen)
@@ -211,6 +217,8 @@ class CompileCallback(pl.Callback):
     ) -> None:
         if self.background is not None and not self.background.installed and self.background.poll():
             _log_background(trainer, self.background)
+        if self.eager_reference is not None:
+            self.eager_reference.begin_step()
         self.applied.begin_step()
         self._loads_at_step_start = self.cache.precompiled_loads if self.cache is not None else 0
         self.telemetry.on_train_batch_start(trainer, batch)
@@ -225,8 +233,12 @@ class CompileCallback(pl.Callback):
     ) -> None:
         compiling = self.background is not None and self.background.disturbs_steps
         loaded = self.cache is not None and self.cache.precompiled_loads != self._loads_at_step_start
-        self.telemetry.on_train_batch_end(trainer, batch, compiling=compiling, loaded_compiled_code=loaded)
-        if trainer.global_step == WARM_AFTER_STEPS:  # forward, backward and the optimizer's update compiled
+        eager = self.eager_reference is not None and self.eager_reference.in_step
+        self.telemetry.on_train_batch_end(trainer, batch, compiling, loaded_compiled_code=loaded, eager_reference=eager)
+        if eager:
+            self.eager_reference.end_step()
+            self._warm_at_step = trainer.global_step + WARM_AFTER_STEPS
+        if trainer.global_step == self._warm_at_step:  # forward, backward and the optimizer's update compiled
             self._save_cache()
 
     def _save_cache(self, final: bool = False) -> None:

@@ -30,12 +30,14 @@ from compile_trainer.telemetry.flops import StepFlopCount, step_signature
 from compile_trainer.telemetry.ranks import describe_rank_report, gather_rank_summaries, rank_metrics, rank_report
 from compile_trainer.telemetry.throughput import (
     COMPILE,
+    EAGER,
     STEADY,
     WARMUP,
     ThroughputMeter,
     device_peak_flops,
     precision_dtype,
 )
+from compile_trainer.telemetry.throughput_report import format_throughput, slower_than_eager
 
 log = logging.getLogger(__name__)
 
@@ -169,19 +171,28 @@ class FitTelemetry:
             self._finish_flop_count()
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, batch: Any, compiling: bool = False, loaded_compiled_code: bool = False
+        self,
+        trainer: pl.Trainer,
+        batch: Any,
+        compiling: bool = False,
+        loaded_compiled_code: bool = False,
+        eager_reference: bool = False,
     ) -> None:
         """``compiling``: a compile was under way during the step elsewhere (a background compile), so the
         step does not count as steady state either; ``loaded_compiled_code``: the step loaded precompiled code
-        from the compile cache (a warm-up step: nothing compiled, but it paused)."""
+        from the compile cache (a warm-up step: nothing compiled, but it paused); ``eager_reference``: the step ran
+        the compiled regions' original code (``compiling.eager_reference``; no background thread runs beside it)."""
         if self._flop_count is not None:
             self._finish_flop_count()
         compiled = self.compile.compile_count != self._compiles_at_start
         recorded = self.compile.cudagraph_recordings != self._recordings_at_start
         warmed_up = compat.cudagraph_warmed_up_functions() != self._warmed_up_at_start
         paused = self._counted_step or loaded_compiled_code or warmed_up
-        kind = COMPILE if compiled or compiling else WARMUP if paused else STEADY
-        self.throughput.step_end(kind, recorded_cuda_graphs=recorded, warmed_up_cuda_graphs=warmed_up)
+        if eager_reference:
+            kind = COMPILE if compiled else EAGER
+        else:
+            kind = COMPILE if compiled or compiling else WARMUP if paused else STEADY
+        self.throughput.step_end(kind, recorded, warmed_up, eager_reference=eager_reference)
         if compiled:
             self.compile.collect()
         self._steps += 1
@@ -199,6 +210,9 @@ class FitTelemetry:
                 self._log_wandb(logger, summary)
         if self.config.print_summary:
             rank_zero_info(self.format_summary(summary))
+        slower = slower_than_eager(summary, self.throughput.device.type, self.compile.applied)
+        if slower is not None and trainer.is_global_zero:
+            log.warning(slower)
 
     def stop(self) -> None:
         if self._flop_count is not None:  # the step failed before its end
@@ -313,36 +327,12 @@ class FitTelemetry:
         run.summary.update({f"summary/{key}": value for key, value in summary.items() if value is not None})
 
     def format_summary(self, summary: Dict[str, Any]) -> str:
-        def show(key: str, scale: float = 1.0, unit: str = "", digits: int = 2) -> str:
-            value = summary.get(key)
-            return "-" if value is None else f"{value / scale:,.{digits}f}{unit}"
-
-        recorded = summary["cudagraph_recording_steps"]
-        padded = summary.get("steady_padded_tokens_per_s")
-        items, tokens = summary.get("steady_items_per_s"), summary.get("steady_tokens_per_s")
-        lines = [
-            format_compile_report(self.compile),
-            "throughput",
-            f"  steps {summary['steps']} ({summary['compile_steps']} with compiles"
-            + (f" or CUDA-graph recordings ({recorded})" if recorded else "")
-            + f", {show('compile_steps_time_s', unit=' s')} in them; "
-            + (
-                f"{summary['warmup_steps']} warm-up (FLOPs counted, cache loaded or CUDA graphs warmed up); "
-                if summary["warmup_steps"]
-                else ""
-            )
-            + f"first step {show('first_step_time_s', unit=' s')})",
-            f"  steady step {show('steady_step_time_s', 1e-3, ' ms')} "
-            f"(median {show('steady_step_time_median_s', 1e-3, ' ms')}), {show('steady_steps_per_s')} steps/s, "
-            f"{show('steady_samples_per_s', digits=1)} samples/s, {show('steady_tokens_per_s', digits=0)} tokens/s"
-            + (f" ({show('steady_padded_tokens_per_s', digits=0)} with padding)" if padded is not None else "")
-            + (f", {show('steady_items_per_s', digits=0)} items/s" if items not in (None, tokens) else ""),
-            f"  {show('steady_tflops')} TFLOP/s achieved, MFU {show('mfu', 0.01, ' %', 1)}, "
-            f"peak memory {show('peak_memory_bytes', 2**30, ' GiB')}",
-            f"  compile time {show('compile_time_s', unit=' s')}, {summary['recompiles']} recompiles "
+        lines = [format_compile_report(self.compile), *format_throughput(summary)]
+        lines.append(
+            f"  compile time {summary['compile_time_s']:,.2f} s, {summary['recompiles']} recompiles "
             f"(and {summary['grad_mode_variants']} grad-mode variants, expected), "
-            f"{summary['graph_breaks']} graph breaks, {summary['unique_graphs']} graphs",
-        ]
+            f"{summary['graph_breaks']} graph breaks, {summary['unique_graphs']} graphs"
+        )
         if summary.get("padding_overhead") is not None:
             expected = summary.get("expected_padding_overhead")
             buckets = f" to buckets {summary['buckets']}" if summary["buckets"] else ""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+MIN_EAGER_REFERENCE_STEPS = 2  # the first pays one-off costs (CUDA's initialisation, the allocator's growth)
+
 
 @dataclass
 class TelemetryConfig:
@@ -29,6 +31,9 @@ class TelemetryConfig:
     log_every_n_steps: Optional[int] = None
     # Print the summary table at the end of fit.
     print_summary: bool = True
+    # The first training steps run the compiled regions' original code, timed: the eager step time that the summary's
+    # speedup_vs_eager compares compiled steps with (the median of those after the first). 0: none, no speedup.
+    eager_reference_steps: int = 5
 
 
 def telemetry_config_problems(config: TelemetryConfig) -> List[str]:
@@ -38,6 +43,11 @@ def telemetry_config_problems(config: TelemetryConfig) -> List[str]:
         value = getattr(config, name)
         if value is not None and not value > 0:
             problems.append(f"telemetry.{name} must be positive, got {value!r}")
+    if config.eager_reference_steps != 0 and not config.eager_reference_steps >= MIN_EAGER_REFERENCE_STEPS:
+        problems.append(
+            f"telemetry.eager_reference_steps must be 0 (no eager reference) or at least {MIN_EAGER_REFERENCE_STEPS} "
+            f"(the first pays one-off costs and is left out of the median), got {config.eager_reference_steps!r}"
+        )
     if config.items_fn is not None and config.items_per_sample is not None:
         problems.append(
             f"give telemetry.items_fn or telemetry.items_per_sample, not both (items_fn {config.items_fn!r}, "

@@ -1,16 +1,16 @@
-"""Throughput: step time, steps/s, samples/s, tokens/s, items/s, achieved FLOP/s and MFU, peak device memory.
+"""Throughput: step time, steps/s, samples/s, images/s, tokens/s, items/s, achieved FLOP/s and MFU, peak device
+memory, and the speedup of compiled steps over eager ones.
 
 A step is timed from its start to its end (in Lightning: ``on_train_batch_start`` to
 ``on_train_batch_end``, so forward, backward and optimizer step, without data loading or validation).
 Steps during which something compiled ("compile steps", CUDA-graph recordings included) and the step whose FLOPs
-were counted ("warm-up steps") are reported separately and never enter the steady-state figures. On CUDA each step
+were counted ("warm-up steps") are reported separately and never enter the steady-state figures; so are the
+eager reference steps, run with the compiled regions' original code (``compiling.eager_reference``), whose median
+(the first left out: it pays one-off costs) the steady median is compared with. On CUDA each step
 is bracketed by two CUDA events on the current stream that are read back lazily (``Event.query()``): timing adds no
 synchronization to a step. Only ``summary(wait=True)`` synchronizes, once, on the last step's event.
 
-Tokens are counted with no configuration where the batch says which entry holds them (``token_counts``): a mapping
-with ``input_ids`` (or ``inputs``, ``tokens``) of integer ids, with an ``attention_mask`` saying which are real, or
-a tuple/list whose first element is integer ids of shape (batch, length). A count that needs the device (the mask's
-sum) is copied to the host without waiting and read once the step is done.
+What a batch holds is counted by ``batch_counts`` (samples, images, tokens) unless functions are given.
 """
 
 from __future__ import annotations
@@ -19,53 +19,18 @@ import statistics
 import time
 import warnings
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from compile_trainer.schema.shapes import ROLE_NAMES
+from compile_trainer.telemetry.batch_counts import Count, default_samples, is_image_batch, token_counts
 
 BatchCounter = Callable[[Any], int]
-Count = Union[int, torch.Tensor]  # a tensor: on the host, filled once the step is done
-COMPILE, WARMUP, STEADY = "compile", "warm-up", "steady"  # kinds of steps
+COMPILE, WARMUP, STEADY, EAGER = "compile", "warm-up", "steady", "eager"  # kinds of steps
 STEADY_WINDOW = 10_000  # steady steps kept for the median step time
-
-
-def default_samples(batch: Any) -> int:
-    """The leading dimension of the batch's first tensor (Lightning's own rule for ``self.log``)."""
-    from lightning.pytorch.utilities.data import extract_batch_size
-
-    return extract_batch_size(batch)
-
-
-def _token_ids(value: Any) -> Optional[torch.Tensor]:
-    integer = isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex()
-    return value if integer and value.dtype is not torch.bool and value.dim() >= 2 else None
-
-
-def token_counts(batch: Any) -> Optional[Tuple[Count, int]]:
-    """(real tokens, positions) of a batch of token ids, or None where the batch holds none it can tell.
-
-    Real tokens are the attention mask's nonzero entries where the batch has a mask of the ids' shape, else every
-    position. On a GPU the real count is a host tensor filled without synchronizing (read it after the step).
-    """
-    ids, mask = None, None
-    if isinstance(batch, Mapping):
-        ids = next((found for n in ROLE_NAMES["tokens"] if (found := _token_ids(batch.get(n))) is not None), None)
-        mask = next((batch.get(n) for n in ROLE_NAMES["attention_mask"] if n in batch), None)
-    elif isinstance(batch, (list, tuple)) and batch:
-        ids = _token_ids(batch[0])
-    if ids is None:
-        return None
-    positions = ids.numel()
-    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
-        return positions, positions
-    real = mask.count_nonzero()
-    if real.device.type == "cpu":
-        return int(real), positions
-    return real.to("cpu", non_blocking=True), positions
+RATES = ("step_time_s", "steps_per_s", "samples_per_s", "images_per_s", "tokens_per_s", "padded_tokens_per_s",
+         "items_per_s", "tflops", "mfu")  # fmt: skip
 
 
 def _read(count: Optional[Count]) -> Optional[int]:
@@ -77,17 +42,19 @@ class _Totals:
     steps: int = 0
     seconds: float = 0.0
     samples: int = 0
+    images: int = 0
     tokens: int = 0
     padded_tokens: int = 0
     items: int = 0
 
-    def add(self, seconds: float, samples: int, tokens: Optional[int], padded: Optional[int], items: Optional[int]):
+    def add(self, seconds: float, step: _Step) -> None:
         self.steps += 1
         self.seconds += seconds
-        self.samples += samples
-        self.tokens += tokens or 0
-        self.padded_tokens += padded or 0
-        self.items += items or 0
+        self.samples += step.samples
+        self.images += step.images
+        self.tokens += _read(step.tokens) or 0
+        self.padded_tokens += step.padded_tokens or 0
+        self.items += _read(step.items) or 0
 
 
 @dataclass
@@ -97,7 +64,9 @@ class _Step:
     kind: str = STEADY
     recorded_cuda_graphs: bool = False
     warmed_up_cuda_graphs: bool = False
+    eager_reference: bool = False
     samples: int = 0
+    images: int = 0
     tokens: Optional[Count] = None
     padded_tokens: Optional[int] = None
     items: Optional[Count] = None
@@ -163,10 +132,11 @@ class ThroughputMeter:
     Args:
         device: where the steps run (CUDA: event timing; otherwise wall clock).
         samples_fn: batch -> number of samples (default: the leading dimension of its first tensor).
-        tokens_fn: batch -> number of (real) tokens (default: ``token_counts``, which also gives padded tokens).
-        items_fn: batch -> number of items; or give ``items_per_sample``; default: the tokens.
+        items_fn: batch -> number of items; or give ``items_per_sample``; default: the tokens, else the samples.
+        items_per_sample: items per sample, in a unit of your own.
         flops_per_step: model FLOPs of one step (forward + backward), for TFLOP/s and MFU.
         peak_flops: the device's peak FLOP/s, for MFU.
+        tokens_fn: batch -> number of (real) tokens (default: ``token_counts``, which also gives padded tokens).
     """
 
     def __init__(
@@ -187,15 +157,18 @@ class ThroughputMeter:
         self.flops_per_step = flops_per_step
         self.peak_flops = peak_flops
         self._clock = _CudaClock(self.device) if self.device.type == "cuda" else _HostClock()
-        self.totals: Dict[str, _Totals] = {kind: _Totals() for kind in (COMPILE, WARMUP, STEADY)}
+        self.totals: Dict[str, _Totals] = {kind: _Totals() for kind in (COMPILE, WARMUP, STEADY, EAGER)}
         self.cudagraph_recording_steps = 0
         self.cudagraph_warmup_steps = 0
-        self.first_step_time_s: Optional[float] = None
+        self.first_step_time_s: Optional[float] = None  # the first step after the eager reference steps
         # The last STEADY_WINDOW steady steps' times, for the median: a mean over a run carries its outliers
         # (an allocator growth, a collective's first call, a GC pause) into every steady figure.
         self._steady_times: Deque[float] = deque(maxlen=STEADY_WINDOW)
+        self.eager_reference_steps = 0  # run, whatever their kind
+        self._eager_times: List[float] = []  # eager reference steps after the first that compiled nothing
         self.counts_tokens = tokens_fn is not None
         self.counts_padded_tokens = False
+        self.counts_images = False
         self._interval: Dict[str, _Totals] = {kind: _Totals() for kind in self.totals}
         self._step: Optional[_Step] = None
 
@@ -207,9 +180,18 @@ class ThroughputMeter:
     def compiling(self) -> _Totals:
         return self.totals[COMPILE]
 
+    @property
+    def items_unit(self) -> str:
+        """What items/s counts: ``items`` (a unit of your own), else ``tokens``, ``images`` or ``samples``."""
+        if self.items_fn is not None or self.items_per_sample is not None:
+            return "items"
+        return "tokens" if self.counts_tokens else "images" if self.counts_images else "samples"
+
     def step_start(self, batch: Any) -> None:
         """Start a step on ``batch`` (its counts are taken now, before the step's clock starts)."""
         step = _Step(samples=int(self.samples_fn(batch)))
+        if is_image_batch(batch):
+            step.images, self.counts_images = step.samples, True
         if self.tokens_fn is not None:
             step.tokens = int(self.tokens_fn(batch))
         elif (counted := token_counts(batch)) is not None:
@@ -220,60 +202,55 @@ class ThroughputMeter:
         elif self.items_per_sample is not None:
             step.items = step.samples * int(self.items_per_sample)
         else:
-            step.items = step.tokens
+            step.items = step.tokens if step.tokens is not None else step.samples
         self._step = step
         self._clock.start()
 
     def step_end(
-        self, kind: str = STEADY, recorded_cuda_graphs: bool = False, warmed_up_cuda_graphs: bool = False
+        self,
+        kind: str = STEADY,
+        recorded_cuda_graphs: bool = False,
+        warmed_up_cuda_graphs: bool = False,
+        eager_reference: bool = False,
     ) -> None:
         """End the step begun by ``step_start``: ``kind`` is ``COMPILE`` (something compiled during it, or CUDA
         graphs were recorded: ``recorded_cuda_graphs``), ``WARMUP`` (kept out of steady state for another reason,
-        such as CUDA graphs run unrecorded before their recording: ``warmed_up_cuda_graphs``) or ``STEADY``."""
+        such as CUDA graphs run unrecorded before their recording: ``warmed_up_cuda_graphs``), ``EAGER`` (an eager
+        reference step that compiled nothing) or ``STEADY``. ``eager_reference``: the step ran the compiled regions'
+        original code, to compare compiled steps with (a reference step that compiled something is ``COMPILE``)."""
         step, self._step = self._step, None
-        step.kind = kind
+        step.kind, step.eager_reference = kind, eager_reference
         step.recorded_cuda_graphs, step.warmed_up_cuda_graphs = recorded_cuda_graphs, warmed_up_cuda_graphs
         self._clock.stop(step)
         self._read(wait=False)
 
     def _read(self, wait: bool) -> None:
         for seconds, step in self._clock.completed(wait):
-            if self.first_step_time_s is None:
+            if step.eager_reference:
+                self.eager_reference_steps += 1
+                if step.kind == EAGER and self.eager_reference_steps > 1:  # the first pays one-off costs
+                    self._eager_times.append(seconds)
+            elif self.first_step_time_s is None:
                 self.first_step_time_s = seconds
             self.cudagraph_recording_steps += step.recorded_cuda_graphs
             self.cudagraph_warmup_steps += step.warmed_up_cuda_graphs
-            counts = (step.samples, _read(step.tokens), step.padded_tokens, _read(step.items))
             for totals in (self.totals[step.kind], self._interval[step.kind]):
-                totals.add(seconds, *counts)
+                totals.add(seconds, step)
             if step.kind == STEADY:
                 self._steady_times.append(seconds)
 
-    @property
-    def counts_items(self) -> bool:
-        return self.items_fn is not None or self.items_per_sample is not None or self.counts_tokens
-
     def _rates(self, totals: _Totals) -> Dict[str, Optional[float]]:
         if totals.steps == 0 or totals.seconds <= 0:
-            return dict.fromkeys(
-                (
-                    "step_time_s",
-                    "steps_per_s",
-                    "samples_per_s",
-                    "tokens_per_s",
-                    "padded_tokens_per_s",
-                    "items_per_s",
-                    "tflops",
-                    "mfu",
-                )  # fmt: skip
-            )
+            return dict.fromkeys(RATES)
         achieved = self.flops_per_step * totals.steps / totals.seconds if self.flops_per_step else None
         return {
             "step_time_s": totals.seconds / totals.steps,
             "steps_per_s": totals.steps / totals.seconds,
             "samples_per_s": totals.samples / totals.seconds,
+            "images_per_s": totals.images / totals.seconds if self.counts_images else None,
             "tokens_per_s": totals.tokens / totals.seconds if self.counts_tokens else None,
             "padded_tokens_per_s": totals.padded_tokens / totals.seconds if self.counts_padded_tokens else None,
-            "items_per_s": totals.items / totals.seconds if self.counts_items else None,
+            "items_per_s": totals.items / totals.seconds,
             "tflops": achieved / 1e12 if achieved is not None else None,
             "mfu": achieved / self.peak_flops if achieved is not None and self.peak_flops else None,
         }
@@ -287,39 +264,59 @@ class ThroughputMeter:
         """Steady-state figures over the steps completed since the last call (``None`` values left out)."""
         self._read(wait=False)
         figures: Dict[str, Optional[float]] = dict(self._rates(self._interval[STEADY]))
-        compiling = self._interval[COMPILE]
-        if compiling.steps:
-            figures["compile_step_time_s"] = compiling.seconds / compiling.steps
+        for kind, key in ((COMPILE, "compile_step_time_s"), (EAGER, "eager_step_time_s")):
+            if self._interval[kind].steps:
+                figures[key] = self._interval[kind].seconds / self._interval[kind].steps
         figures["peak_memory_bytes"] = self.peak_memory_bytes()
         self._interval = {kind: _Totals() for kind in self.totals}
         return {key: value for key, value in figures.items() if value is not None}
 
-    def summary(self, wait: bool = True) -> Dict[str, Optional[float]]:
+    def summary(self, wait: bool = True) -> Dict[str, Any]:
         """The run's throughput headline numbers (stable keys; ``None`` where unknown)."""
         self._read(wait=wait)
         steady = self._rates(self.steady)
+        median = statistics.median(self._steady_times) if self._steady_times else None
+        return {
+            **self._step_counts(),
+            "steady_step_time_s": steady["step_time_s"],
+            "steady_step_time_median_s": median,
+            "steady_steps_per_s": steady["steps_per_s"],
+            "steady_samples_per_s": steady["samples_per_s"],
+            "steady_images_per_s": steady["images_per_s"],
+            "steady_tokens_per_s": steady["tokens_per_s"],
+            "steady_padded_tokens_per_s": steady["padded_tokens_per_s"],
+            "steady_items_per_s": steady["items_per_s"],
+            "items_unit": self.items_unit,
+            "flops_per_step": self.flops_per_step,
+            "steady_tflops": steady["tflops"],
+            "peak_tflops": self.peak_flops / 1e12 if self.peak_flops else None,
+            "mfu": steady["mfu"],
+            "peak_memory_bytes": self.peak_memory_bytes(),
+            **self._against_eager(median),
+        }
+
+    def _step_counts(self) -> Dict[str, Any]:
         return {
             "steps": sum(totals.steps for totals in self.totals.values()),
             "compile_steps": self.compiling.steps,
             "cudagraph_recording_steps": self.cudagraph_recording_steps,
             "cudagraph_warmup_steps": self.cudagraph_warmup_steps,
             "warmup_steps": self.totals[WARMUP].steps,
+            "eager_steps": self.totals[EAGER].steps,
             "compile_steps_time_s": self.compiling.seconds,
             "warmup_steps_time_s": self.totals[WARMUP].seconds,
+            "eager_steps_time_s": self.totals[EAGER].seconds,
             "first_step_time_s": self.first_step_time_s,
             "steady_steps": self.steady.steps,
-            "steady_step_time_s": steady["step_time_s"],
-            "steady_step_time_median_s": statistics.median(self._steady_times) if self._steady_times else None,
-            "steady_steps_per_s": steady["steps_per_s"],
-            "steady_samples_per_s": steady["samples_per_s"],
-            "steady_tokens_per_s": steady["tokens_per_s"],
-            "steady_padded_tokens_per_s": steady["padded_tokens_per_s"],
-            "steady_items_per_s": steady["items_per_s"],
-            "flops_per_step": self.flops_per_step,
-            "steady_tflops": steady["tflops"],
-            "peak_tflops": self.peak_flops / 1e12 if self.peak_flops else None,
-            "mfu": steady["mfu"],
-            "peak_memory_bytes": self.peak_memory_bytes(),
+        }
+
+    def _against_eager(self, steady_median: Optional[float]) -> Dict[str, Any]:
+        """The eager reference steps' median and the steady median's speedup over it (``None`` without either)."""
+        eager = statistics.median(self._eager_times) if self._eager_times else None
+        return {
+            "eager_step_time_median_s": eager,
+            "eager_steps_in_median": len(self._eager_times),
+            "speedup_vs_eager": eager / steady_median if eager is not None and steady_median else None,
         }
 
 
