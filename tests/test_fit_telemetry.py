@@ -249,18 +249,45 @@ def test_tokens_samples_and_mfu_of_a_drop_in_hf_model_need_no_configuration(tmp_
         f"{summary['steady_tokens_per_s']:,.0f} tokens/s ({summary['steady_padded_tokens_per_s']:,.0f} with padding)"
     )
     assert tokens_text in table and f"{summary['steady_samples_per_s']:,.1f} samples/s" in table
-    assert f"MFU {summary['mfu'] * 100:,.1f} %" in table if COUNTS_FLOPS else "MFU -" in table
+    assert f"MFU {summary['mfu'] * 100:,.1f} %" in table if COUNTS_FLOPS else "MFU" not in table
 
 
-def test_images_count_as_samples_and_no_tokens_are_made_up(tmp_path):
-    """An image batch ``(pixels, classes)``: samples/s are images/s; no tokens/s, and no items/s, are reported."""
-    module = ImageClassifier()
-    callback = CompileCallback("regional", backend="eager", telemetry={"print_summary": False})
-    fit(module, callback, steps=6, tmp_path=tmp_path)
+def test_an_image_batch_reports_images_per_second_and_no_unit_it_does_not_have(tmp_path):
+    """An image batch ``(pixels, classes)``: images/s in the summary, the W&B series and the printed table; items are
+    the images; no tokens/s, and nothing printed for a unit the batch does not have."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    from compile_trainer.runs.wandb_offline import read_offline_run
+
+    callback = CompileCallback("regional", backend="eager", telemetry={"print_summary": False, "log_every_n_steps": 2})
+    trainer = pl.Trainer(
+        max_steps=6,
+        logger=WandbLogger(save_dir=tmp_path, offline=True),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        callbacks=[callback],
+    )
+    trainer.fit(ImageClassifier())
+    trainer.logger.experiment.finish()
     summary = callback.summary()
-    assert summary["steady_samples_per_s"] == pytest.approx(BATCH / summary["steady_step_time_s"])
+    images_per_s = BATCH / summary["steady_step_time_s"]
+    assert summary["steady_images_per_s"] == pytest.approx(images_per_s) == summary["steady_samples_per_s"]
+    assert summary["items_unit"] == "images" and summary["steady_items_per_s"] == summary["steady_images_per_s"]
     assert summary["steady_tokens_per_s"] is None and summary["steady_padded_tokens_per_s"] is None
-    assert summary["steady_items_per_s"] is None and ((summary["flops_per_step"] or 0) > 0) == COUNTS_FLOPS
+    assert ((summary["flops_per_step"] or 0) > 0) == COUNTS_FLOPS
+
+    run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
+    images, samples = run.series("throughput/images_per_s"), run.series("throughput/samples_per_s")
+    assert len(images) >= 2 and images == samples and not run.series("throughput/tokens_per_s")
+    assert run.summary["summary/steady_images_per_s"] == pytest.approx(summary["steady_images_per_s"])
+    assert run.summary["summary/items_unit"] == "images"
+
+    throughput = callback.telemetry.format_summary(summary).split("\nthroughput\n")[1]
+    assert f"{summary['steady_images_per_s']:,.1f} images/s" in throughput
+    for absent in ("samples/s", "tokens/s", "items/s", "MFU", "peak memory", " -,", " - "):
+        assert absent not in throughput, absent
 
 
 class ImageClassifier(pl.LightningModule):

@@ -10,7 +10,8 @@ and the results are eager training's (compiled code computes the same).
 The steps of a background compile (``background: true``) before its install run eagerly too, but beside a thread
 that holds the interpreter while it traces (a step of seconds where alone it takes tens of milliseconds): no
 reference. So the reference steps come first, before anything is recorded for the thread, which starts one step
-after them. Evaluation between them (a validation loop) runs as the policy says.
+after them. Evaluation between them (a validation loop) runs as the policy says. A fit shorter than
+``FIT_STEPS_PER_REFERENCE_STEP`` times ``steps`` (by ``max_steps``) runs none.
 
 Without Lightning::
 
@@ -29,6 +30,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from compile_trainer import compat
 from compile_trainer.compiling.region_call import EAGER_REFERENCE
 from compile_trainer.compiling.regions import AppliedPolicy, CompiledRegion
+
+# A shorter fit runs no reference steps (a smoke run, a cold-start measurement): they would be over a quarter of it.
+FIT_STEPS_PER_REFERENCE_STEP = 4
 
 
 class EagerReferenceSteps:
@@ -73,6 +77,9 @@ class EagerReferenceSteps:
         )
 
 
-def eager_reference_for(applied: AppliedPolicy, steps: int) -> Optional[EagerReferenceSteps]:
-    """Reference steps for ``applied``, where it compiles any region and ``steps`` is not 0."""
-    return EagerReferenceSteps(applied, steps) if steps and applied.compiled else None
+def eager_reference_for(applied: AppliedPolicy, steps: int, fit_steps: Optional[int]) -> Optional[EagerReferenceSteps]:
+    """Reference steps for ``applied``, where it compiles any region, ``steps`` is not 0 and the fit is known to be
+    long enough (``fit_steps``: its length, None where unknown, as in a fit by epochs): at least
+    ``FIT_STEPS_PER_REFERENCE_STEP`` times ``steps``."""
+    short = fit_steps is not None and fit_steps < FIT_STEPS_PER_REFERENCE_STEP * steps
+    return EagerReferenceSteps(applied, steps) if steps and applied.compiled and not short else None

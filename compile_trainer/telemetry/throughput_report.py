@@ -107,7 +107,7 @@ def slower_than_eager(summary: Dict[str, Any], device_type: str, applied: Option
         tries.append("on the CPU, Inductor's code often loses to eager kernels on a small model")
     if applied is not None and device_type == "cuda" and not applied.uses_cuda_graphs:
         tries.append("`mode: reduce-overhead` (CUDA graphs), where short steps wait on the CPU")
-    if applied is not None and any(item.region.role == "full" for item in applied.compiled):
+    if applied is not None and any(rule.action == "full" for rule in applied.policy.rules):
         tries.append("the `regional` policy")
     return (
         f"compiled steps are slower than eager ones: median {_ms(summary['steady_step_time_median_s'])} against "
