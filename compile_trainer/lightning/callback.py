@@ -116,7 +116,7 @@ class CompileCallback(pl.Callback):
             else:
                 self.applied.compile_in_foreground(BACKGROUND_IN_FOREGROUND_UNDER_FSDP2)
         reference_steps = self.telemetry.config.eager_reference_steps if self.telemetry.enabled else 0
-        fit_steps = trainer.max_steps if trainer.max_steps > 0 else None
+        fit_steps = trainer.max_steps - trainer.global_step if trainer.max_steps > 0 else None  # resumed: those left
         self.eager_reference = eager_reference_for(self.applied, reference_steps, fit_steps)
         self.telemetry.start(trainer, pl_module, self.applied)
         if self.print_plan:
