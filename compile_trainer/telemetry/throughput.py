@@ -16,7 +16,6 @@ What a batch holds is counted by ``batch_counts`` (samples, images, tokens) unle
 from __future__ import annotations
 
 import statistics
-import time
 import warnings
 from collections import deque
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 import torch
 
 from compile_trainer.telemetry.batch_counts import Count, default_samples, is_image_batch, token_counts
+from compile_trainer.telemetry.step_clocks import CudaClock, HostClock
 
 BatchCounter = Callable[[Any], int]
 COMPILE, WARMUP, STEADY, EAGER = "compile", "warm-up", "steady", "eager"  # kinds of steps
@@ -72,60 +72,6 @@ class _Step:
     items: Optional[Count] = None
 
 
-class _HostClock:
-    """Wall-clock step times, for the CPU (where work is synchronous)."""
-
-    def __init__(self) -> None:
-        self._started = 0.0
-        self._done: List[Tuple[float, Any]] = []
-
-    def start(self) -> None:
-        self._started = time.perf_counter()
-
-    def stop(self, tag: Any) -> None:
-        self._done.append((time.perf_counter() - self._started, tag))
-
-    def completed(self, wait: bool) -> List[Tuple[float, Any]]:
-        done, self._done = self._done, []
-        return done
-
-
-class _CudaClock:
-    """Step times on the GPU's timeline from CUDA events, read once they have completed."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._free: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._current: Optional[Tuple[torch.cuda.Event, torch.cuda.Event]] = None
-        self._pending: Deque[Tuple[Tuple[torch.cuda.Event, torch.cuda.Event], Any]] = deque()
-
-    def start(self) -> None:
-        if self._free:
-            pair = self._free.pop()
-        else:
-            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        pair[0].record(torch.cuda.current_stream(self.device))
-        self._current = pair
-
-    def stop(self, tag: Any) -> None:
-        pair, self._current = self._current, None
-        pair[1].record(torch.cuda.current_stream(self.device))
-        self._pending.append((pair, tag))
-
-    def completed(self, wait: bool) -> List[Tuple[float, Any]]:
-        done = []
-        while self._pending:
-            (start, end), tag = self._pending[0]
-            if not end.query():
-                if not wait:
-                    break
-                end.synchronize()
-            done.append((start.elapsed_time(end) / 1000.0, tag))
-            self._pending.popleft()
-            self._free.append((start, end))
-        return done
-
-
 class ThroughputMeter:
     """Accumulates step times; ``interval()`` gives figures since its last call, ``summary()`` for the run.
 
@@ -156,7 +102,7 @@ class ThroughputMeter:
         self.items_per_sample = items_per_sample
         self.flops_per_step = flops_per_step
         self.peak_flops = peak_flops
-        self._clock = _CudaClock(self.device) if self.device.type == "cuda" else _HostClock()
+        self._clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
         self.totals: Dict[str, _Totals] = {kind: _Totals() for kind in (COMPILE, WARMUP, STEADY, EAGER)}
         self.cudagraph_recording_steps = 0
         self.cudagraph_warmup_steps = 0
@@ -165,6 +111,7 @@ class ThroughputMeter:
         # (an allocator growth, a collective's first call, a GC pause) into every steady figure.
         self._steady_times: Deque[float] = deque(maxlen=STEADY_WINDOW)
         self.eager_reference_steps = 0  # run, whatever their kind
+        self.eager_peak_memory_bytes: Optional[int] = None  # the device's peak during them (CUDA)
         self._eager_times: List[float] = []  # eager reference steps after the first that compiled nothing
         self.counts_tokens = tokens_fn is not None
         self.counts_padded_tokens = False
@@ -223,6 +170,9 @@ class ThroughputMeter:
         step.recorded_cuda_graphs, step.warmed_up_cuda_graphs = recorded_cuda_graphs, warmed_up_cuda_graphs
         self._clock.stop(step)
         self._read(wait=False)
+        if eager_reference and self.device.type == "cuda":  # the peak after them is the compiled steps'
+            self.eager_peak_memory_bytes = max(self.eager_peak_memory_bytes or 0, self.peak_memory_bytes())
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def _read(self, wait: bool) -> None:
         for seconds, step in self._clock.completed(wait):
@@ -292,6 +242,7 @@ class ThroughputMeter:
             "peak_tflops": self.peak_flops / 1e12 if self.peak_flops else None,
             "mfu": steady["mfu"],
             "peak_memory_bytes": self.peak_memory_bytes(),
+            "eager_peak_memory_bytes": self.eager_peak_memory_bytes,
             **self._against_eager(median),
         }
 

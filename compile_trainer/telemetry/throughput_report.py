@@ -81,7 +81,11 @@ def _compute_line(summary: Dict[str, Any]) -> Optional[str]:
     if mfu is not None:
         parts.append(f"MFU {mfu * 100:,.1f} %")
     if memory is not None:
-        parts.append(f"peak memory {memory / 2**30:,.2f} GiB")
+        eager = summary.get("eager_peak_memory_bytes")
+        parts.append(
+            f"peak memory {memory / 2**30:,.2f} GiB"
+            + (f" ({eager / 2**30:,.2f} GiB in the eager reference steps)" if eager is not None else "")
+        )
     return f"  {', '.join(parts)}" if parts else None
 
 
