@@ -235,3 +235,30 @@ def test_a_background_compile_starts_after_the_reference_steps_so_none_of_them_r
 def test_a_reference_of_one_step_or_fewer_than_none_is_refused_naming_what_is_valid(steps):
     with pytest.raises(SettingsError, match=r"eager_reference_steps must be 0 \(no eager reference\) or at least 2"):
         CompileCallback("regional", telemetry={"eager_reference_steps": steps})
+
+
+def test_without_lightning_the_reference_steps_run_the_modules_own_code_and_leave_the_chain():
+    """The interceptor alone: training steps inside ``begin_step``/``end_step`` run eagerly (no compiled call, no
+    CUDA-graph step marks asked for), a call outside them (an evaluation between them) runs compiled."""
+    from compile_trainer import apply_policy, to_policy
+    from compile_trainer.compiling.eager_reference import EagerReferenceSteps
+
+    module = MLP()
+    applied = apply_policy(module, to_policy("regional", backend="eager"))
+    reference = EagerReferenceSteps(applied, steps=2)
+    inputs = torch.randn(BATCH, WIDTH)
+    for step in range(3):
+        eager = reference.begin_step()
+        assert eager == (step < 2) and applied.interceptors.replaces_compiled == eager
+        module.blocks(inputs)
+        reference.end_step()
+        assert not applied.interceptors.replaces_compiled
+        assert [item.calls for item in applied.compiled[:3]] == [max(0, step - 1)] * 3
+        if step == 0:
+            with torch.no_grad():
+                module.blocks(inputs)  # between reference steps: compiled
+            assert [item.calls for item in applied.compiled[:3]] == [1] * 3
+            for item in applied.compiled[:3]:
+                item.calls = 0
+    assert reference not in applied.interceptors.interceptors
+    applied.remove()
