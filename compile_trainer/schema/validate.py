@@ -16,6 +16,7 @@ from compile_trainer.schema.policy import (
     OPTIMIZER_COMPILE,
     OPTIMIZER_KERNELS,
     REST_ACTIONS,
+    UNNAMED,
     CompilePolicy,
     OptimizerPolicy,
 )
@@ -23,8 +24,8 @@ from compile_trainer.schema.settings import MODES
 from compile_trainer.schema.shapes import dynamic_problems, padding_problems
 
 SCHEMA_ALONE = (
-    "; every field is at its default: compile=schema selects the schema that policy files build on, not a policy "
-    "(choose one, such as compile=regional)"
+    " (with compile=schema: that selects the schema that policy files build on, not a policy; choose one, such as "
+    "compile=regional)"
 )
 
 
@@ -55,8 +56,7 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         )
     validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     if policy.enabled and not policy.rules and policy.optimizer.compile == "false":
-        # every field at its default is what compile=schema composes
-        schema_alone = SCHEMA_ALONE if policy == CompilePolicy() else ""
+        schema_alone = SCHEMA_ALONE if policy.name == UNNAMED else ""  # what compile=schema composes
         raise PolicyError(
             f"{where}: enabled but has no rules and does not compile the optimizer; add a rule such as "
             "{name: '*', action: full}, or set optimizer.compile (true or auto) for an optimizer-only policy"
