@@ -9,9 +9,10 @@ A project of its own that puts ``pkg://compile_trainer.conf`` on its search path
 package (``conf/__init__.py``); one that only writes policy files calls ``register_group_schemas()``.
 
 Input errors that ``train.py`` finds itself exit with status 2 (a usage error, as argparse's), without a
-traceback: unknown keys and policies in the command line (``exit_on_bad_command_line``, before Hydra composes)
-and, in a single run, a policy or setting that cannot work (``exit_on_invalid_config``, before the run starts:
-no ``result.json``). In a multirun such a run fails like any other, with its ``result.json``, and the sweep goes on.
+traceback: unknown keys and group choices in the command line (``exit_on_bad_command_line``, before Hydra
+composes) and, in a single run, a policy or setting that cannot work (``input_errors_exit``: checked before the
+run starts, so no ``result.json``). In a multirun such a run fails like any other, with its ``result.json``, and
+the sweep goes on.
 """
 
 from __future__ import annotations
