@@ -51,9 +51,9 @@ class CompileCallback(pl.Callback):
     """Compile a LightningModule's submodules by a declared policy, after it is on its device.
 
     Args:
-        policy: a ``CompilePolicy``, a dict (or DictConfig) of its fields, or the name of a
-            bundled policy (``none``, ``full``, ``regional``, ...). Validated here, so a bad
-            policy fails when the callback is made.
+        policy: a ``CompilePolicy``, a dict (or DictConfig) of its fields, the name of a bundled
+            policy (``none``, ``full``, ``regional``, ...) or a policy file's path (``configs/compile/
+            mine.yaml``). Validated here, so a bad policy fails when the callback is made.
         print_plan: print the plan table at fit start.
         telemetry: compile and throughput telemetry: ``True`` (default), ``False``, or a
             ``TelemetryConfig`` / dict of its fields (see ``compile_trainer.schema.telemetry``).
