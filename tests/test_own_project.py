@@ -145,6 +145,42 @@ def test_a_bundled_policy_composed_from_the_search_path_trains(project):
     assert "is not available" not in process.stderr, "Hydra reads pkg://compile_trainer.conf as a package"
 
 
+COMPOSE_EACH = """
+import json
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from compile_trainer import to_policy
+
+names = {}
+with initialize_config_dir(str(Path("configs").resolve()), version_base="1.3"):
+    for choice in sys.argv[1:]:
+        policy = to_policy(OmegaConf.to_container(compose("train", overrides=[f"compile={choice}"]).compile))
+        names[choice] = policy.name
+print("RESULT " + json.dumps(names))
+"""
+
+
+def test_every_bundled_policy_composes_into_the_projects_config(project):
+    """Each bundled policy composes from the search path into a config that has none of this repository's groups
+    (no recipe, no trainer): a bundled file that chose one of them would fail here."""
+    bundled = sorted(path.stem for path in (ROOT / "conf" / "compile").glob("*.yaml") if path.stem != "schema")
+    write(project / "src" / "compose_each.py", COMPOSE_EACH)
+    env = {**os.environ, "PYTHONPATH": str(project / "site")}
+    process = subprocess.run(
+        [sys.executable, "src/compose_each.py", *bundled, "my_policy"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result_of(process) == {name: name for name in [*bundled, "my_policy"]}
+
+
 def test_the_projects_own_policy_file_beside_the_bundled_ones_trains(project):
     process = run_project(project, "compile=my_policy", "compile.backend=eager")  # a key the file does not set
     result = result_of(process)

@@ -1,7 +1,7 @@
 """Checks of a policy against the installed torch, run where the policy is applied (before training).
 
 The schema's own checks (``compile_trainer.schema.validate``) need nothing but the policy; these need torch:
-which backends exist, whether background compilation and nested regions are available, whether the compile
+which backends exist, whether background compilation is available, whether the compile
 cache's URL can be reached with the installed packages.
 """
 
@@ -82,10 +82,6 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
         if problem:
             setting = "background: true" if policy.background else f"rule {deferring[0]}: rest: background"
             raise PolicyError(f"{where}: {setting} {problem}.")
-    nested = policy.regional_rules_with_rest("nested")
-    if nested and policy.enabled and not compat.has_nested_compile_region():
-        problem = compat.needs_torch("rest: nested (torch.compiler.nested_compile_region)", (2, 8))
-        raise PolicyError(f"{where}, rule {nested[0]}: {problem}.")
     if policy.cache.active:
         problem = cache_storage_problem(str(policy.cache.dir))
         if problem:
