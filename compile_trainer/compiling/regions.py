@@ -68,6 +68,7 @@ class EntryKey:
 
     @classmethod
     def of(cls, region: Region, kwargs: Dict[str, Any]) -> EntryKey:
+        """The key of ``region`` compiled with ``kwargs``."""
         scope = region.structure if region.role == "block" else f"@{region.name}"
         return cls(type(region.module), repr(sorted(kwargs.items())), scope)
 
