@@ -18,7 +18,8 @@ from typing_extensions import override
 from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
-from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.compiling.plan_table import format_plan_table
+from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.lightning.batch_hooks import ShapeHooks
