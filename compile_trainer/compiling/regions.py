@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from compile_trainer import compat
-from compile_trainer.compiling.arguments import compile_kwargs as compile_kwargs  # optimizer.compiled_step's import
 from compile_trainer.compiling.arguments import kwargs_use_cuda_graphs, regions_compile_kwargs
 from compile_trainer.compiling.backends import RegionBackend
 from compile_trainer.compiling.block_values import (
@@ -39,7 +38,6 @@ from compile_trainer.compiling.block_values import (
     train_without_cache,
 )
 from compile_trainer.compiling.nested import check_nested, mark_nested_blocks
-from compile_trainer.compiling.plan_table import plan_rows
 from compile_trainer.compiling.process_settings import hold_process_settings, trial_trace_dropping_once_warnings
 from compile_trainer.compiling.promoted_inputs import PromotedInputs
 from compile_trainer.compiling.region_call import InterceptorChain, RegionCall
@@ -198,10 +196,6 @@ class AppliedPolicy:
         for item in self.compiled:
             counts[item.entry_name] = counts.get(item.entry_name, 0) + 1
         return counts
-
-    def rows(self) -> List[Dict[str, Any]]:
-        """``plan_table.plan_rows``, by the name the Lightning callback calls."""
-        return plan_rows(self)
 
     def remove(self) -> None:
         """Restore every module to plain eager execution, and the process-wide settings the policy changed."""
