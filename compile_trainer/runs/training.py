@@ -54,8 +54,9 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
             with compile_cache(recorder.settings.fresh_cache):
                 trainer.fit(module, datamodule=data)
             ranks = distributed_metrics(callback.summary())
-            if ranks:
+            if ranks:  # after fit: the logger was finalized, save() writes them
                 logger.log_metrics(ranks, step=trainer.global_step)
+                logger.save()
             if cfg.save_checkpoint:
                 path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
                 trainer.save_checkpoint(path)

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch import nn
 
-from compile_trainer.telemetry.link import LinkProbe, Request, bus_factor
+from compile_trainer.telemetry.link import LinkProbe, Request, bus_factor, size_text
 
 MIB = 2**20
 DDP_FIRST_BUCKET_BYTES = MIB  # DDP's first bucket (torch.distributed's default), then bucket_cap_mb
@@ -78,6 +78,7 @@ class StepCommunication:
     setting: str
     world_size: int
     messages: List[Message]
+    serial_what: str = ""  # which messages are serial, in words
 
     @property
     def bytes(self) -> int:
@@ -132,7 +133,7 @@ def ddp_step(shape: ModelShape) -> StepCommunication:
     last = len(buckets) - 1
     messages = [Message("all_reduce", shape.param_dtype, size, serial=i == last) for i, size in enumerate(buckets)]
     setting = f"{SHORT[shape.param_dtype]} gradients, {shape.bucket_bytes / MIB:g} MiB buckets"
-    return StepCommunication("ddp", setting, shape.world_size, messages)
+    return StepCommunication("ddp", setting, shape.world_size, messages, "the last bucket's all-reduce")
 
 
 def fsdp2_step(shape: ModelShape, settings: Optional[Fsdp2Settings] = None) -> StepCommunication:
@@ -149,7 +150,8 @@ def fsdp2_step(shape: ModelShape, settings: Optional[Fsdp2Settings] = None) -> S
         if settings.reshard_after_forward and not root and (settings.reshard_last_block or not last):
             messages.append(Message("all_gather", settings.param_dtype, numel * gather))
         messages.append(Message("reduce_scatter", settings.reduce_dtype, numel * reduce, serial=root))
-    return StepCommunication("fsdp2", settings.describe(), shape.world_size, messages)
+    serial = "the root's all-gather and reduce-scatter"
+    return StepCommunication("fsdp2", settings.describe(), shape.world_size, messages, serial)
 
 
 def step_communication(kind: str, shape: ModelShape) -> StepCommunication:
@@ -218,7 +220,7 @@ class LinkPlan:
         memory = shape.device_memory_bytes
         fits = memory is None or state <= DDP_MEMORY_SHARE * memory
         if fits and ddp is not None and seconds is not None and ddp <= SAME_TIME * seconds:
-            state_text = f"training state ({DDP_BYTES_PER_PARAMETER} B a parameter: {state / 1e9:.3g} GB)"
+            state_text = f"training state ({DDP_BYTES_PER_PARAMETER} B a parameter: {size_text(state)})"
             fit = f"its {state_text} fits" if memory else f"if its {state_text} fits one device"
             found.append(Suggestion(
                 "DDP (trainer=gpu_ddp)", ddp,
@@ -240,7 +242,7 @@ class LinkPlan:
             found.append(Suggestion(
                 "reshard_after_forward=False", time,
                 f"no all-gather in the backward: {_ms(time)} on the link against {_ms(seconds)}, for "
-                f"{extra / 1e9:.3g} GB more memory a rank (the gathered blocks kept from forward to backward)",
+                f"{size_text(extra)} more memory a rank (the gathered blocks kept from forward to backward)",
             ))  # fmt: skip
         return found
 
@@ -273,11 +275,11 @@ def format_link_plan(plan: LinkPlan) -> str:
     current = plan.current
     seconds, serial = current.seconds(plan.probe), current.seconds(plan.probe, serial_only=True)
     where = f" ({plan.topology})" if plan.topology else ""
-    collectives = ", ".join(f"{k.replace('_', '-')} {v / 1e9:.3g}" for k, v in current.bytes_by_collective().items())
+    collectives = ", ".join(f"{k.replace('_', '-')} {size_text(v)}" for k, v in current.bytes_by_collective().items())
     lines = [
         f"link: {plan.probe.world_size} ranks over {plan.probe.backend}{where}: {plan.probe.describe()}",
-        f"  {current.describe()}: {current.bytes / 1e9:.3g} GB a step ({collectives} GB), {_ms(seconds)} at these "
-        f"rates, {_ms(serial)} of it with nothing to overlap (the first all-gather, the last reduction)",
+        f"  {current.describe()}: {size_text(current.bytes)} a step ({collectives}), {_ms(seconds)} at these rates, "
+        f"{_ms(serial)} of it with nothing to overlap ({current.serial_what})",
     ]
     faster = plan.faster()
     lines += [f"  faster: {s.setting}: {s.why}" for s in faster] or ["  faster: none on this link"]

@@ -34,6 +34,14 @@ def bus_factor(collective: str, world_size: int) -> float:
     return {"all_reduce": 2 * share, "all_gather": share, "reduce_scatter": share}[collective]
 
 
+def size_text(nbytes: float) -> str:
+    """``158 MB``, ``1.49 GB``, ``139 kB`` (powers of 1000, as bandwidths are counted)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def dtype_name(dtype: Union[torch.dtype, str]) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -91,12 +99,12 @@ class LinkProbe:
         return found
 
     def describe(self) -> str:
-        """``all-reduce 250 GB/s, ... (bus bandwidth at 1.0-158 MB)``."""
+        """``all-reduce 250 GB/s, ... (bus bandwidth at 1.05 MB to 158 MB)``."""
         if not self.measurements:
             return "nothing measured"
         rates = ", ".join(f"{name.replace('_', '-')} {rate:.3g} GB/s" for name, rate in self.largest().items())
-        sizes = [m.bytes for m in self.measurements]
-        return f"{rates} (bus bandwidth at {min(sizes) / 1e6:.3g}-{max(sizes) / 1e6:.3g} MB)"
+        low, high = (size_text(f(m.bytes for m in self.measurements)) for f in (min, max))
+        return f"{rates} (bus bandwidth at {low if low == high else f'{low} to {high}'})"
 
     def as_dict(self) -> Dict[str, Any]:
         return {"world_size": self.world_size, "backend": self.backend, "busbw_gbps_largest": self.largest()} | {
