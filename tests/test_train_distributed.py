@@ -19,7 +19,8 @@ from compile_trainer.runs.wandb_offline import read_offline_run
 from recipes.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)  # gpt_tiny's, smaller
+# gpt_tiny's, smaller; 64 positions: dynamic_full pads lengths to a multiple of 64
+MODEL = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32)
 TINY = [f"recipe.module.model.{key}={value}" for key, value in MODEL.items() if key != "vocab_size"]
 TWO_CPU_RANKS = [
     "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2", "trainer.max_steps=4",
@@ -41,15 +42,25 @@ def csv_losses(run_dir: Path) -> List[float]:
         return [float(row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
 
 
+def with_test_backends(conf: Path) -> List[str]:
+    """Each bundled policy under a name of its own in ``conf`` (a config directory of the test), with the eager
+    backend (aot_eager for nested regions, which need an AOT backend): the choices of the sweep."""
+    (conf / "compile").mkdir(parents=True)
+    for policy in ["none", *POLICIES]:
+        backend = "aot_eager" if policy == "regional_nested" else "eager"
+        (conf / "compile" / f"{policy}_test.yaml").write_text(f"defaults: [{policy}, _self_]\nbackend: {backend}\n")
+    return [f"{policy}_test" for policy in ["none", *POLICIES]]
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> Dict[str, dict]:
-    """Eager DDP (``none``) and every bundled policy under ``trainer=gpu_ddp`` (aot_eager: nested regions need an AOT
-    backend), by policy: the result file, the losses and the CSV log's columns; ``output``: every rank's output."""
-    sweep = tmp_path_factory.mktemp("ddp_sweep")
-    policies = ",".join(["none", *POLICIES])
+    """Eager DDP (``none``) and every bundled policy under ``trainer=gpu_ddp``, in one multirun, by policy: the result
+    file, the losses and the CSV log's columns; ``output``: every rank's output."""
+    sweep, conf = tmp_path_factory.mktemp("ddp_sweep"), tmp_path_factory.mktemp("conf")
+    policies = ",".join(with_test_backends(conf))
     done = run_train(
-        "-m", f"hydra.sweep.dir={sweep}", "trainer=gpu_ddp", *TWO_CPU_RANKS, "logger=csv", f"compile={policies}",
-        "compile.backend=aot_eager",
+        "-m", f"--config-dir={conf}", f"hydra.sweep.dir={sweep}", "trainer=gpu_ddp", *TWO_CPU_RANKS, "logger=csv",
+        f"compile={policies}",
     )  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     runs = {}
