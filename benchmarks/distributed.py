@@ -316,8 +316,8 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Per model and batch: each policy on one device and under each strategy on N (FSDP2 under each of its
     settings), the cache's warm run for each strategy, the collectives'."""
     n = args.gpus or (2 if args.smoke else torch.cuda.device_count())
-    if n < 2:
-        raise SystemExit(f"needs at least 2 devices to compare with 1 (found {n}); --smoke runs 2 CPU processes")
+    if n < 1:
+        raise SystemExit("needs a GPU (one: the one-device rows alone); --smoke runs 2 CPU processes")
     if set(args.strategies.split(",")) - {"ddp", "fsdp2"}:
         raise SystemExit(f"unknown strategies in {args.strategies!r}: ddp or fsdp2")
     if set(args.fsdp_param_dtypes.split(",")) - {"bf16", "fp32"} or set(args.fsdp_reshard.split(",")) - {
@@ -328,24 +328,30 @@ def runs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     topology = gpu_topology()
     args.topology = topology["summary"] if topology else None
     variants = {"ddp": [{"fsdp": "-"}], "fsdp2": fsdp_settings(args)}
+    strategies = args.strategies.split(",") if n > 1 else []  # one GPU: its rows alone, to --append elsewhere
     planned: List[Dict[str, Any]] = []
     for model in args.models.split(","):
         for batch in map(int, str(args.batch).split(",")):
             one = dict(model=model, experiment="scaling", strategy="-", fsdp="-", gpus=1, batch=batch)
             for policy in args.policies.split(",") if "scaling" in args.experiments else []:
                 planned.append(one | {"policy": policy})
-                for strategy in args.strategies.split(","):
+                for strategy in strategies:
                     bundle = f"{args.scratch}/bundles/{model}-{strategy}-{batch}"
                     for index, variant in enumerate(variants[strategy]):
                         cached = "cache" in args.experiments and policy == "regional" and index == 0
                         run = one | dict(strategy=strategy, policy=policy, gpus=n) | variant
                         planned.append(run | ({"_cache_dir": bundle} if cached else {}))
-            for strategy in args.strategies.split(",") if "cache" in args.experiments else []:
+            for strategy in strategies if "cache" in args.experiments else []:
                 run = (
                     one | dict(experiment="cache", strategy=strategy, policy="regional", gpus=n) | variants[strategy][0]
                 )
                 planned.append(run | {"_cache_dir": f"{args.scratch}/bundles/{model}-{strategy}-{batch}"})
-            if "collectives" in args.experiments and model == args.models.split(",")[0] and not args.smoke:
+            if (
+                "collectives" in args.experiments
+                and model == args.models.split(",")[0]
+                and strategies
+                and not args.smoke
+            ):
                 for collectives in (False, True):
                     experiment = "collectives" + "+collectives" * collectives
                     run = one | dict(experiment=experiment, strategy="ddp", policy="regional", gpus=n)
@@ -369,7 +375,7 @@ BENCHMARK = common.Benchmark(
         "--experiments": dict(default="scaling,collectives,cache"),
         "--strategies": dict(default="ddp,fsdp2"),
         "--policies": dict(default="regional,full"),
-        "--gpus": dict(type=int, help="N (default: every visible GPU; 2 with --smoke)"),
+        "--gpus": dict(type=int, help="N (default: every visible GPU; 2 with --smoke; 1: the one-device rows alone)"),
         "--batch": dict(default="8", help="samples per rank a step; a list (8,16): each batch its rows"),
         "--fsdp-param-dtypes": dict(default="bf16", help="FSDP2's param_dtype (reduce_dtype fp32): bf16, fp32"),
         "--fsdp-reshard": dict(default="true", help="FSDP2's reshard_after_forward: true, false (a list)"),
