@@ -121,8 +121,11 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     )  # fmt: skip
     trainer.fit(module)
     row = result_row(args, callback.summary()) if trainer.global_rank == 0 else None
+    timeline = profiled.timeline if profiled else None
+    if row is not None:
+        row |= {"gpu_timeline_ms_a_step": timeline, "compute_ms": timeline["busy"] if timeline else None}
     if row is not None and link is not None:
-        row |= link_columns(link.plan, profiled.timeline if profiled else None)
+        row |= link_columns(link.plan, row["compute_ms"])
     if torch.distributed.is_initialized():
         # Every rank leaves the group before exiting: left to interpreter teardown, gloo's threads have aborted
         # a rank ("terminate called without an active exception", once in a CI rehearsal).
@@ -218,12 +221,11 @@ class LinkAtTrainEnd(pl.Callback):
         self.plan = LinkPlan(kind, shape, probe, topology["summary"] if topology else None)
 
 
-def link_columns(plan: LinkPlan, timeline: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """The row's communication a step, the time the measured link makes of it, the profile's timeline, and the
-    step against the link's limit (the larger of compute + the serial messages and the whole communication; compute:
-    the profile's busy kernels, else the one-device row's step, set in ``compare_to_one``)."""
+def link_columns(plan: LinkPlan, compute_ms: Optional[float]) -> Dict[str, Any]:
+    """The row's communication a step, the time the measured link makes of it, and the settings the link model names
+    faster at the row's compute (the profile's busy time; ``vs_limit`` is set in ``compare_to_one``)."""
     step = plan.current
-    plan.compute_s = timeline["busy"] / 1e3 if timeline else None
+    plan.compute_s = compute_ms / 1e3 if compute_ms else None
     comm, serial = step.seconds(plan.probe), step.seconds(plan.probe, serial_only=True)
     heaviest = {m.collective: m for m in sorted(step.messages, key=lambda m: m.bytes)}
     return {
@@ -231,8 +233,6 @@ def link_columns(plan: LinkPlan, timeline: Optional[Dict[str, Any]]) -> Dict[str
         "comm_ms": round(comm * 1e3, 4) if comm is not None else None,
         "serial_ms": round(serial * 1e3, 4) if serial is not None else None,
         "busbw_gbps": {c: round(plan.probe.busbw(c, m.bytes, m.dtype) / 1e9, 1) for c, m in heaviest.items()},
-        "gpu_timeline_ms_a_step": timeline,
-        "compute_ms": timeline["busy"] if timeline else None,
         "faster": [suggestion.setting for suggestion in plan.faster()],
         "link": plan.as_dict(),
     }
@@ -289,7 +289,7 @@ def compare_to_one(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List
         first = base and row.get("first_step_s_by_rank") and base.get("first_step_s_by_rank")
         row["first_step_vs_1"] = max(row["first_step_s_by_rank"]) / max(base["first_step_s_by_rank"]) if first else None
         compute = row.get("compute_ms") or (max(one["step_ms_median_by_rank"]) if one else None)
-        if row.get("comm_ms") is not None and compute and None not in row["step_ms_median_by_rank"]:
+        if row["gpus"] > 1 and row.get("comm_ms") is not None and compute and None not in row["step_ms_median_by_rank"]:
             row["limit_ms"] = round(max(compute + (row["serial_ms"] or 0), row["comm_ms"]), 3)
             row["vs_limit"] = max(row["step_ms_median_by_rank"]) / row["limit_ms"]
     return rows

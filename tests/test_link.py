@@ -107,6 +107,8 @@ def test_fsdp2_plan_names_mixed_precision_ddp_and_no_reshard_fastest_first():
     # bf16 gathers 248 + 168 MB: 2.28 ms; DDP's fp32 all-reduce of 496 MB and no reshard's 496 + 496 MB: 2.48 ms
     assert [s.seconds for s in faster] == pytest.approx([912e6 * 0.5 / (200 * GB), 2.48e-3, 2.48e-3])
     assert "16 B a parameter: 1.98 GB) fits" in faster[1].why
+    # the 12 blocks' 336 MB gathered again in the backward stay gathered instead, less this rank's half
+    assert "for 168 MB more memory a rank" in faster[2].why
 
 
 MIXED = "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)"

@@ -27,7 +27,14 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+    XLAStrategy,
+)
 from lightning.pytorch.utilities import rank_zero_warn
 
 from compile_trainer.schema import CompilePolicy, PolicyError
@@ -59,14 +66,16 @@ FSDP2_RECIPE = (
 
 
 def strategy_kind(strategy: Any) -> str:
-    """``single``, ``ddp`` or ``fsdp2``; a ``PolicyError`` naming the strategies that work for any other."""
-    if isinstance(strategy, ModelParallelStrategy):
+    """``single``, ``ddp`` or ``fsdp2`` for a strategy (or its class); a ``PolicyError`` naming the strategies that
+    work for any other."""
+    kind = strategy if isinstance(strategy, type) else type(strategy)
+    if issubclass(kind, ModelParallelStrategy):
         return "fsdp2"
-    if isinstance(strategy, DDPStrategy):
+    if issubclass(kind, DDPStrategy) and not issubclass(kind, (DeepSpeedStrategy, XLAStrategy)):  # their subclasses
         return "ddp"
-    if isinstance(strategy, SingleDeviceStrategy):
+    if issubclass(kind, SingleDeviceStrategy):
         return "single"
-    name = type(strategy).__name__
+    name = kind.__name__
     why = ""
     if name == "FSDPStrategy":
         why = (
@@ -131,7 +140,7 @@ def refuse_before_launch(strategy: Any, policy: CompilePolicy) -> None:
     if isinstance(strategy, str):
         if strategy not in StrategyRegistry.available_strategies():
             return
-        strategy = StrategyRegistry.get(strategy)
+        strategy = StrategyRegistry[strategy]["strategy"]  # the class: made, some need arguments or packages
     kind = strategy_kind(strategy)
     if kind == "fsdp2" and policy.optimizer.compile != "false":
         raise PolicyError(OPTIMIZER_UNDER_FSDP2.format(value=policy.optimizer.compile))

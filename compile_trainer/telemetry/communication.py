@@ -235,10 +235,11 @@ class LinkPlan:
                 f"all-gathers bf16 parameters, half the bytes: {_ms(time)} on the link against {_ms(seconds)}",
             ))  # fmt: skip
         if settings.reshard_after_forward:
-            kept = replace(settings, reshard_after_forward=False, assumed=False)
-            time = fsdp2_step(shape, kept).seconds(self.probe)
-            regathered = sum(shape.units[1:] if shape.units else [])
-            extra = regathered * ITEMSIZE[settings.param_dtype] * (shape.world_size - 1) / shape.world_size
+            kept = fsdp2_step(shape, replace(settings, reshard_after_forward=False, assumed=False))
+            time = kept.seconds(self.probe)
+            # what the backward gathers again stays gathered instead: all of it but this rank's shard
+            again = fsdp2_step(shape).bytes_by_collective()["all_gather"] - kept.bytes_by_collective()["all_gather"]
+            extra = again * (shape.world_size - 1) / shape.world_size
             found.append(Suggestion(
                 "reshard_after_forward=False", time,
                 f"no all-gather in the backward: {_ms(time)} on the link against {_ms(seconds)}, for "
