@@ -43,12 +43,16 @@ LEGEND_WIDTH = 120
 def format_compile_report(telemetry: CompileTelemetry) -> str:
     """Regions, graph breaks and recompiles as fixed-width text."""
     regions = list(telemetry.regions.values())
+    if not regions:
+        return "compile telemetry: nothing compiled"
     cache = _shows_cache(telemetry, regions)
     rows = [_region_cells(s, cache) for s in regions]
     if len(regions) > 1:
         rows.append(_total_cells(regions, cache))
     lines = ["compile telemetry", *text_table(REGION_COLUMNS + ((CACHE_COLUMN,) if cache else ()), rows)]
-    lines += textwrap.wrap("; ".join([*LEGEND, *([CACHE_LEGEND] if cache else [])]), LEGEND_WIDTH)
+    lines += textwrap.wrap(
+        "; ".join([*LEGEND, *([CACHE_LEGEND] if cache else [])]), LEGEND_WIDTH, break_on_hyphens=False
+    )
     lines += _graph_break_lines(telemetry)
     others = [e for e in telemetry.events if e.kind != "graph_break"]
     if others:
