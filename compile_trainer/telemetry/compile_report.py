@@ -32,6 +32,7 @@ LEGEND = (
     "modules: those running the region's code",
     "compiles: frames Dynamo compiled, grad-mode variants and recompiles included (a graph break cuts the function "
     "it is in, and each one calling it, into frames, most of them without a graph)",
+    "recompiles: compiles after a guard failed",
     "grad-mode variants: a frame's first graph under another grad mode or requires_grad, expected",
     "graphs: the graphs compiled",
     "breaks: distinct graph breaks, those an eager rule declares left out",
