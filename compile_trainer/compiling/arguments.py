@@ -55,24 +55,26 @@ def regions_compile_kwargs(
     regions: Sequence[Region], policy: CompilePolicy, device: torch.device
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Each region's ``torch.compile`` arguments on ``device`` (``compile_kwargs``; its settings first made for
-    sizes that vary, where they do), and the notes on what changed, each naming the regions it concerns."""
-    every_kwargs, noted = [], {}  # note -> the regions it applies to
+    sizes that vary, where they do), and the notes on what changed, each naming the regions it concerns; one on a
+    mode the user did not choose (``bundled_default_settings``) goes to the debug log instead."""
+    every_kwargs, noted, unnoted = [], {}, {}  # note -> the regions it applies to
     sizes_vary = bool(policy.shapes.dynamic) or policy.distributed.consistent_dynamic_shapes
     unchosen = bundled_default_settings(policy)
     for region in regions:
         asked = (region.settings.mode, dict(region.settings.options))
         region.settings = settings_for_varying_sizes(region.settings, sizes_vary)
         kwargs, notes = compile_kwargs(region.settings, device)
-        if asked == unchosen:
-            for note in notes:  # about a mode the user did not choose
-                log.debug("region %s: %s", region.name, note)
-            notes = []
-        for note in notes:
-            noted.setdefault(note, []).append(region.name)
+        for note in notes:  # one about a mode the user did not choose goes to the debug log alone
+            (unnoted if asked == unchosen else noted).setdefault(note, []).append(region.name)
         every_kwargs.append(kwargs)
-    every = len(regions)
-    notes = [f"{'all regions' if len(names) == every else ', '.join(names)}: {note}" for note, names in noted.items()]
-    return every_kwargs, notes
+    for note in _per_regions(unnoted, len(regions)):
+        log.debug("%s (%s's default mode)", note, policy.name)
+    return every_kwargs, _per_regions(noted, len(regions))
+
+
+def _per_regions(noted: Dict[str, List[str]], every: int) -> List[str]:
+    """Each note once, with the regions it concerns (``all regions`` where it concerns ``every`` one)."""
+    return [f"{'all regions' if len(names) == every else ', '.join(names)}: {note}" for note, names in noted.items()]
 
 
 def bundled_default_settings(policy: CompilePolicy) -> Optional[Tuple[Optional[str], Dict[str, Any]]]:
