@@ -30,12 +30,12 @@ CACHE_COLUMN = "cache hit/miss"
 # What each column counts, said once under the table.
 LEGEND = (
     "modules: those running the region's code",
-    "compiles: frames Dynamo compiled, grad-mode variants and recompiles included (a graph break cuts the function "
-    "it is in, and each one calling it, into frames, most of them without a graph)",
-    "recompiles: compiles after a guard failed",
+    "compiles: frames Dynamo compiled (a graph break cuts a function, and each one calling it, into frames, most "
+    "without a graph), grad-mode variants and recompiles included",
+    "recompiles: after a guard failed",
     "grad-mode variants: a frame's first graph under another grad mode or requires_grad, expected",
     "graphs: the graphs compiled",
-    "breaks: distinct graph breaks, those an eager rule declares left out",
+    "breaks: distinct graph breaks, the eager rules' declared ones left out",
 )
 CACHE_LEGEND = "cache hit/miss: lookups in torch's compile caches (Inductor's FX graphs, AOTAutograd)"
 LEGEND_WIDTH = 120
