@@ -82,8 +82,9 @@ def auto_rest(
     carries the process's one-time compiler costs, and compiling the embeddings and head first made the recipe's
     GPT-2 small wait for three graphs at its first step (H100: 2.9-3.5 s embed, 3.2-3.9 s blocks, 2.1-2.4 s head).
 
-    Otherwise ``compile`` where all of that lies in the module that runs eagerly around the blocks (the break),
-    whose parts are regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer
+    Otherwise ``compile`` where no outer region can hold the parts: the module loops over its blocks in its own
+    forward, or all of that lies in the module that runs eagerly around the blocks (the break), whose parts are
+    regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer
     graphs would compile glue, and a new machine traces them again, since graphs with a break are not precompiled
     (``compile_trainer.cache.precompiled``)."""
     module, blocks = modules[name], [modules[b] for b in block_names]
