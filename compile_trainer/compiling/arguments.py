@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Sequence, Tuple
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from compile_trainer import compat
 from compile_trainer.planning.plan import Region
-from compile_trainer.schema import CompilePolicy, CompileSettings
+from compile_trainer.schema import CompilePolicy, CompileSettings, bundled_policy_names, to_policy
+
+log = logging.getLogger(__name__)
 
 CPU_FALLBACK_MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# The bundled policies chosen for their mode: where it does not apply, the plan says so. The other bundled policies'
+# mode (regional's reduce-overhead) is what they do where it applies (CUDA graphs on a GPU), dropped elsewhere
+# without a note unless the user chose it.
+POLICIES_FOR_THEIR_MODE = ("reduce_overhead", "max_autotune")
 
 
 def compile_kwargs(settings: CompileSettings, device: torch.device) -> Tuple[Dict[str, Any], List[str]]:
@@ -48,18 +55,35 @@ def regions_compile_kwargs(
     regions: Sequence[Region], policy: CompilePolicy, device: torch.device
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
     """Each region's ``torch.compile`` arguments on ``device`` (``compile_kwargs``; its settings first made for
-    sizes that vary, where they do), and the notes on what changed, each naming the regions it concerns."""
-    every_kwargs, noted = [], {}  # note -> the regions it applies to
+    sizes that vary, where they do), and the notes on what changed, each naming the regions it concerns; one on a
+    mode the user did not choose (``bundled_default_settings``) goes to the debug log instead."""
+    every_kwargs, noted, unnoted = [], {}, {}  # note -> the regions it applies to
     sizes_vary = bool(policy.shapes.dynamic) or policy.distributed.consistent_dynamic_shapes
+    unchosen = bundled_default_settings(policy)
     for region in regions:
+        asked = (region.settings.mode, dict(region.settings.options))
         region.settings = settings_for_varying_sizes(region.settings, sizes_vary)
         kwargs, notes = compile_kwargs(region.settings, device)
-        for note in notes:
-            noted.setdefault(note, []).append(region.name)
+        for note in notes:  # one about a mode the user did not choose goes to the debug log alone
+            (unnoted if asked == unchosen else noted).setdefault(note, []).append(region.name)
         every_kwargs.append(kwargs)
-    every = len(regions)
-    notes = [f"{'all regions' if len(names) == every else ', '.join(names)}: {note}" for note, names in noted.items()]
-    return every_kwargs, notes
+    for note in _per_regions(unnoted, len(regions)):
+        log.debug("%s (%s's default mode)", note, policy.name)
+    return every_kwargs, _per_regions(noted, len(regions))
+
+
+def _per_regions(noted: Dict[str, List[str]], every: int) -> List[str]:
+    """Each note once, with the regions it concerns (``all regions`` where it concerns ``every`` one)."""
+    return [f"{'all regions' if len(names) == every else ', '.join(names)}: {note}" for note, names in noted.items()]
+
+
+def bundled_default_settings(policy: CompilePolicy) -> Optional[Tuple[Optional[str], Dict[str, Any]]]:
+    """(mode, options) of the bundled policy ``policy`` is named after, where they are a default for the GPU rather
+    than what the policy is for (``POLICIES_FOR_THEIR_MODE``): a region with these the user did not choose."""
+    if policy.name in POLICIES_FOR_THEIR_MODE or policy.name not in bundled_policy_names():
+        return None
+    bundled = to_policy(policy.name)
+    return bundled.mode, dict(bundled.options)
 
 
 def settings_for_varying_sizes(settings: CompileSettings, sizes_vary: bool) -> CompileSettings:

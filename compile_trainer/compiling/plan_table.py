@@ -3,11 +3,11 @@ the start of training. Reads an ``AppliedPolicy``; changes nothing."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from torch import nn
 
-from compile_trainer.tables import text_table
+from compile_trainer.tables import plural, text_table
 
 if TYPE_CHECKING:
     from compile_trainer.compiling.regions import AppliedPolicy
@@ -43,11 +43,14 @@ def plan_rows(applied: AppliedPolicy) -> List[Dict[str, Any]]:
             rows.append(_row(name, block, "nested block", region.rule_index, settings, same_class))
     for name, rule_index in applied.plan.eager.items():
         action = "eager (graph break)" if name in applied.eager_inside else "eager"
-        rows.append(_row(name, applied.root.get_submodule(name), action, rule_index, "-", 0))
+        rows.append(_row(name, applied.root.get_submodule(name), action, rule_index, "-", None))
     return rows
 
 
-def _row(name: str, module: nn.Module, action: str, rule: int, settings: str, shared_by: int) -> Dict[str, Any]:
+def _row(
+    name: str, module: nn.Module, action: str, rule: int, settings: str, shared_by: Optional[int]
+) -> Dict[str, Any]:
+    """A row of the plan; ``shared_by``: the regions that run the row's compiled entry (None: eager, no entry)."""
     return {
         "module": name,
         "class": type(module).__name__,
@@ -59,7 +62,10 @@ def _row(name: str, module: nn.Module, action: str, rule: int, settings: str, sh
 
 
 def _describe_kwargs(kwargs: Dict[str, Any]) -> str:
-    text = f"backend={kwargs['backend']} mode={kwargs['mode'] or 'default'}"
+    """The settings a region is compiled with; a mode only for Inductor, the one backend that takes one."""
+    text = f"backend={kwargs['backend']}"
+    if kwargs["backend"] == "inductor":
+        text += f" mode={kwargs['mode'] or 'default'}"
     if kwargs["fullgraph"]:
         text += " fullgraph"
     if kwargs["dynamic"] is not None:
@@ -77,14 +83,21 @@ def format_plan_table(applied: AppliedPolicy) -> str:
         return f"{header}: disabled, the model runs eagerly"
     if not applied.policy.rules:
         return f"{header}: no module rules, the model runs eagerly (the optimizer section still applies)"
-    columns = ["module", "class", "action", "rule", "settings", "shares_graph_with"]
+    columns = ["module", "class", "action", "rule", "settings"]
     titles = ["module", "class", "action", "rule", "settings", "shared by"]
-    lines = [header, *text_table(titles, [[str(row[c]) for c in columns] for row in rows])]
-    groups = applied.shared_counts()
-    lines.append(f"{len(applied.compiled)} regions, {len(groups)} distinct compiled entries")
+    cells = [[*(str(row[c]) for c in columns), _shared_by(row["shares_graph_with"])] for row in rows]
+    lines = [header, *text_table(titles, cells)]
+    regions, entries = len(applied.compiled), len(applied.shared_counts())
+    shared = "; shared by: the regions that run one compiled entry" if regions > entries else ""
+    lines.append(f"{plural(regions, 'region')}, {plural(entries, 'compiled entry', 'compiled entries')}{shared}")
     lines += _background_lines(applied)
     lines += [f"note: {note}" for note in applied.notes]
     return "\n".join(lines)
+
+
+def _shared_by(count: Optional[int]) -> str:
+    """The plan's ``shared by`` cell: the regions that run the row's compiled entry, ``-`` where none shares it."""
+    return str(count) if count is not None and count > 1 else "-"
 
 
 def _background_lines(applied: AppliedPolicy) -> List[str]:

@@ -82,8 +82,9 @@ def auto_rest(
     carries the process's one-time compiler costs, and compiling the embeddings and head first made the recipe's
     GPT-2 small wait for three graphs at its first step (H100: 2.9-3.5 s embed, 3.2-3.9 s blocks, 2.1-2.4 s head).
 
-    Otherwise ``compile`` where all of that lies in the module that runs eagerly around the blocks (the break),
-    whose parts are regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer
+    Otherwise ``compile`` where no outer region can hold the parts: the module loops over its blocks in its own
+    forward, or all of that lies in the module that runs eagerly around the blocks (the break), whose parts are
+    regions either way, as in a wrapper whose ``forward`` only slices a batch for a GPT: its outer
     graphs would compile glue, and a new machine traces them again, since graphs with a break are not precompiled
     (``compile_trainer.cache.precompiled``)."""
     module, blocks = modules[name], [modules[b] for b in block_names]
@@ -92,6 +93,8 @@ def auto_rest(
         f"{name} ({type(module).__name__}): {share:.1%} of its parameters and buffers outside its {len(blocks)} blocks"
     )
     knob = f"regional_outer_min_share {min_share * 100:g}%"
+    if share == 0:  # nothing with weights around the blocks: no part to compile, nothing to say
+        return "eager"
     if share < min_share:
         return _light_rest(f"{measured} (< {knob})", plan)
     return _heavy_rest(f"{measured} (>= {knob})", modules, block_names, breaks, plan)
@@ -105,12 +108,7 @@ def _light_rest(measured: str, plan: CompilePlan) -> str:
             "after the first step, which compiles only the blocks; eager until then (rest: background)"
         )
         return "background"
-    plan.notes.append(
-        f"{measured}: the code around them left eager, which compiles fewer graphs (rest: eager); "
-        "rest: compile compiles each part with weights as its own region, rest: outer the code around the "
-        "blocks whole; on a GPU, with no compile cache or shapes.warmup, they compile in the background "
-        "(rest: background)"
-    )
+    plan.notes.append(f"{measured}: the code around them left eager, which compiles fewer graphs (rest: eager)")
     return "eager"
 
 
@@ -131,6 +129,12 @@ def _heavy_rest(
             "thread after the first step, which compiles only the blocks; eager until then (rest: background)"
         )
         return "background"
+    if breaks is None:
+        plan.notes.append(
+            f"{measured}, and it loops over its blocks in its own forward, so it cannot be compiled around them: "
+            "its parts with weights compiled as their own regions (rest: compile)"
+        )
+        return "compile"
     if all_in_break:
         plan.notes.append(
             f"{measured}, {in_break}: its "
@@ -165,16 +169,13 @@ def _element_count(modules: List[nn.Module]) -> int:
 
 
 def rest_regions(
-    name: str, module: nn.Module, containers: List[str], settings: CompileSettings, index: int, plan: CompilePlan,
-    background: bool,
-) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
+    name: str, module: nn.Module, containers: List[str], settings: CompileSettings, index: int, background: bool
+) -> List[Tuple[str, Optional[Region]]]:
     """The regions of a regional rule's rest under ``name``: a region per root of the rest that holds weights."""
     items: List[Tuple[str, Optional[Region]]] = []
     for rest_name, rest_module in _rest_roots(name, module, containers):
-        if has_state(rest_module):
+        if has_state(rest_module):  # a part without weights (dropout, an activation) runs eagerly: no region
             items.append((rest_name, Region(rest_name, rest_module, settings, index, "rest", background=background)))
-        else:
-            plan.notes.append(f"{rest_name} ({type(rest_module).__name__}) has no parameters: left eager")
     return items
 
 

@@ -47,7 +47,6 @@ def _expand_rule(
     block_names = [b for _, names in stacks for b in names]
     relative = [(relative_name(c, name), [relative_name(b, name) for b in bs]) for c, bs in stacks]
     structure = group_blocks(module, relative, prefix=name, above=above, trial=trial)
-    plan.notes.extend(structure.notes)
     reuse, min_reuse = structure.reuse, policy.regional_min_reuse
     if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
         plan.notes.append(
@@ -56,7 +55,8 @@ def _expand_rule(
             "compiles about as fast as that many graphs and runs without breaks; regional_min_reuse: 0 compiles "
             "the blocks regionally"
         )
-        return [(name, Region(name, module, settings, index, "full"))]
+        return [(name, Region(name, module, settings, index, "full"))]  # its structures' notes would not apply
+    plan.notes.extend(structure.notes)
     plan.training_without_cache.update(structure.cache_builders)
     plan.notes.extend(structure.cache_notes)
     containers = [c for c, _ in stacks]
@@ -79,7 +79,7 @@ def _expand_rule(
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
         background = rest == "background" or inner_parts_in_background(rule.rest, breaks, plan)
         for root_name, root in roots:
-            items += rest_regions(root_name, root, containers, settings, index, plan, background)
+            items += rest_regions(root_name, root, containers, settings, index, background)
     return items
 
 
