@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback, apply_policy  # noqa: E402
 from compile_trainer.compiling.regions import APPLIED_ATTR  # noqa: E402
-from recipes.gpt import GPT, GPTConfig  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)

@@ -8,8 +8,8 @@ from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, compat, format_plan_table, to_policy
-from recipes.data import StdlibTextDataModule
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import StdlibTextDataModule
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT, Wrapper, quiet_cpu_trainer
 
 

@@ -140,7 +140,7 @@ def run_policy_file(config: Dict, tmp_path: Path) -> None:
     assert policy.name == name
     if not policy.rules:
         return
-    from recipes.gpt import LanguageModel
+    from compile_trainer_recipes.gpt import LanguageModel
 
     model = LanguageModel(TINY_GPT)
     applied = apply_policy(model, policy)
@@ -157,8 +157,8 @@ def run_lightning_cli_config(block: Block, config: Dict, tmp_path: Path) -> None
     """A LightningCLI config, built as `python my_cli.py fit --config config.yaml` builds it (without fitting)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from recipes.data import StdlibTextDataModule
-    from recipes.gpt import LanguageModel
+    from compile_trainer_recipes.data import StdlibTextDataModule
+    from compile_trainer_recipes.gpt import LanguageModel
 
     path = tmp_path / "config.yaml"
     path.write_text(block.text)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, to_policy
 from compile_trainer.runs.hydra_configs import register_configs, unknown_override_keys
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT, quiet_cpu_trainer
 from tests.telemetry_models import TinyRegression
 
