@@ -127,7 +127,7 @@ class RecordingLM(LanguageModel):
 
 
 class ShardedLM(RecordingLM):
-    """FSDP2: the policy applied in configure_model, then each block and the model sharded (compile_trainer_recipes.gpt)."""
+    """FSDP2: the policy applied in configure_model, then each block and the model sharded (the recipes' gpt.py)."""
 
     policy = None  # the callback's policy, set by main()
 

@@ -134,8 +134,8 @@ def test_a_second_fit_under_another_policy_names_the_policy_left_from_the_first_
 def _readme_policy_yaml() -> str:
     """The custom policy of README.md, exactly as printed there."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(# conf/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
-    assert len(blocks) == 1, "README.md shows one conf/compile/my_policy.yaml"
+    blocks = re.findall(r"```yaml\n(# configs/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1, "README.md shows one configs/compile/my_policy.yaml"
     return blocks[0]
 
 
