@@ -207,6 +207,6 @@ def test_regional_trains_like_eager_with_and_without_gradient_accumulation(loop,
     ],
 )
 def test_cuda_graphs_are_read_from_the_mode_and_the_options(mode, options, expected):
-    from compile_trainer.compiling.regions import kwargs_use_cuda_graphs
+    from compile_trainer.compiling.arguments import kwargs_use_cuda_graphs
 
     assert kwargs_use_cuda_graphs({"backend": "inductor", "mode": mode, "options": options}) is expected

@@ -68,6 +68,8 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from compile_trainer.compiling.plan_table import plan_rows
+
 from model import TinyRegression
 
 
@@ -81,7 +83,7 @@ def main(cfg):
     )
     trainer.fit(TinyRegression(), data)
     (compiled,) = [callback for callback in callbacks if hasattr(callback, "applied")]
-    rows = [[row["module"], row["action"], row["settings"]] for row in compiled.applied.rows()]
+    rows = [[row["module"], row["action"], row["settings"]] for row in plan_rows(compiled.applied)]
     compile_s = compiled.summary()["compile_time_s"]
     result = {"policy": compiled.policy.name, "steps": trainer.global_step, "plan": rows, "compile_s": compile_s}
     print("RESULT " + json.dumps(result))

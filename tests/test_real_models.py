@@ -13,7 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, compat, format_plan_table, to_policy
-from compile_trainer.compiling.regions import NESTED_SINGLE_CALL_MUTATION_VERSION
+from compile_trainer.compiling.nested import NESTED_SINGLE_CALL_MUTATION_VERSION
+from compile_trainer.compiling.plan_table import plan_rows
 from tests.conftest import quiet_cpu_trainer
 from tests.user_models import MNISTLitModule, UserData, UserModule, digit_batches
 
@@ -296,7 +297,7 @@ def test_nested_stages_of_a_resnet_train_from_torch_2_13_and_are_refused_before(
             apply_policy(root, policy)
         return
     applied = apply_policy(root, policy)
-    assert [row["action"] for row in applied.rows()] == ["full, nested blocks", "nested block", "nested block"]
+    assert [row["action"] for row in plan_rows(applied)] == ["full, nested blocks", "nested block", "nested block"]
     norm = model.resnet.embedder.embedder.normalization
     tracked = [m.num_batches_tracked.item() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     model(pixel_values=torch.randn(4, 3, 32, 32), labels=torch.randint(0, 10, (4,))).loss.backward()

@@ -1,7 +1,8 @@
 import pytest
 from torch import nn
 
-from compile_trainer.planning.selection import find_repeated_blocks, resolve_plan
+from compile_trainer.planning.selection import resolve_plan
+from compile_trainer.planning.stacks import find_repeated_blocks
 from compile_trainer.schema import PolicyError, to_policy
 from tests.conftest import Wrapper
 

@@ -20,7 +20,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from compile_trainer.compiling.regions import apply_policy, format_plan_table
+from compile_trainer.compiling.plan_table import format_plan_table
+from compile_trainer.compiling.regions import apply_policy
 from compile_trainer.lightning.callback import CompileCallback
 from compile_trainer.schema import bundled_policy_dir
 from compile_trainer.telemetry.compile_events import CompileTelemetry

@@ -18,7 +18,8 @@ from typing_extensions import override
 from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
-from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.compiling.plan_table import format_plan_table, plan_rows
+from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.lightning.batch_hooks import ShapeHooks
@@ -122,7 +123,9 @@ class CompileCallback(pl.Callback):
             rank_zero_info(chosen)
         self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
-            logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+            logger.log_hyperparams(
+                {"compile_policy": policy_to_dict(self.policy), "compile_plan": plan_rows(self.applied)}
+            )
 
     def _adopt_applied(self, pl_module: pl.LightningModule) -> Optional[AppliedPolicy]:
         """The policy applied in ``configure_model`` (FSDP2: blocks compiled before ``fully_shard``), or left applied
