@@ -117,9 +117,14 @@ def run_python(block: Block) -> None:
 
 # Run around a README example in its own process: the example as `python example.py` runs it, with the
 # interpreter's default warning filters (a user's), every warning and every log record at WARNING or above kept.
+# Lightning advises on DataLoader workers from the machine's cores (none on two): the example runs as on a
+# user's machine of 16 cores, wherever the test runs.
 USER_RUN = """
 import json, logging, runpy, sys, warnings
 
+import lightning.fabric.utilities.data
+
+lightning.fabric.utilities.data._num_cpus_available = lambda: 16
 found = []
 handle = logging.Logger.callHandlers
 
