@@ -30,6 +30,7 @@ from compile_trainer.lightning.strategies import (
     BUCKET_WARMUP_OFF_UNDER_FSDP2,
     FSDP2_RECIPE,
     compiles_in_background,
+    link_plan,
     strategy_kind,
     warms_up_buckets,
     where_compiled,
@@ -43,6 +44,7 @@ from compile_trainer.optimizer import (
 )
 from compile_trainer.schema import CompilePolicy, PolicyError, policy_to_dict, to_policy, to_telemetry_config
 from compile_trainer.schema.shapes import describe_shapes
+from compile_trainer.telemetry.communication import format_link_plan
 
 log = logging.getLogger(__name__)
 WARM_AFTER_STEPS = 2  # optimizer steps after which the compile cache writes its bundle (all of a step compiled)
@@ -76,6 +78,7 @@ class CompileCallback(pl.Callback):
         self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
         self.applied_before_fit: Optional[AppliedPolicy] = None  # on the module at setup, before configure_model
         self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
+        self.link = None  # the link probed and the step's communication on it, at fit start on several ranks
         self.telemetry: Union[FitTelemetry, NoTelemetry] = telemetry_for(to_telemetry_config(telemetry))
 
     def summary(self) -> Dict[str, Any]:
@@ -83,6 +86,7 @@ class CompileCallback(pl.Callback):
         summary = self.telemetry.summary()
         summary |= self.background.summary() if self.background is not None else {}
         summary |= {"ranks": self.ranks} if self.ranks is not None else {}
+        summary |= {"link": self.link.as_dict()} if self.link is not None else {}
         return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
     @override
@@ -97,6 +101,8 @@ class CompileCallback(pl.Callback):
             self.telemetry.start(trainer, pl_module, self.applied)  # a second fit() keeps the compiled regions
             self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
             return
+        if self.telemetry.enabled and self.telemetry.config.link_probe:  # before any compile thread starts
+            self.link = link_plan(trainer, pl_module, self.strategy)
         self.telemetry.before_policy(pl_module)
         if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
             self.cache = CompileCache(self.policy.cache)
@@ -117,6 +123,7 @@ class CompileCallback(pl.Callback):
         if self.print_plan:
             cache_line = [self.cache.describe()] if self.cache is not None else []
             where = [where_compiled(self.strategy)] if self.strategy != "single" else []
+            where += [format_link_plan(self.link)] if self.link is not None else []
             rank_zero_info("\n".join([format_plan_table(self.applied), *where, *cache_line]))
         chosen = self.shape_hooks.choose_auto_buckets() if self.shape_hooks is not None else None
         if chosen and self.print_plan:

@@ -29,6 +29,9 @@ class TelemetryConfig:
     log_every_n_steps: Optional[int] = None
     # Print the summary table at the end of fit.
     print_summary: bool = True
+    # On several ranks: measure the link at fit start (a short collective probe) and say in the plan what a step's
+    # communication costs on it under the strategy, and which strategy or setting would be faster.
+    link_probe: bool = True
 
 
 def telemetry_config_problems(config: TelemetryConfig) -> List[str]:
