@@ -1,8 +1,8 @@
 """Compile policies under DDP and FSDP2: 1 vs N GPUs, ``regional`` vs ``full``, the recipe's GPT-2 small and an HF
 Llama; global samples/s, each rank's first step, recompiles, peak memory and diverging ranks (docs/distributed.md).
 Weak scaling: each rank trains ``--batch`` samples a step (a list: each batch a row). FSDP2 as
-``recipes.gpt.compile_and_shard`` does it (torchtitan's order, a ``MixedPrecisionPolicy``), its settings measured
-side by side (``--fsdp-param-dtypes``, ``--fsdp-reshard``, ``--fsdp-prefetch``).
+``compile_trainer_recipes.gpt.compile_and_shard`` does it (torchtitan's order, a ``MixedPrecisionPolicy``), its
+settings measured side by side (``--fsdp-param-dtypes``, ``--fsdp-reshard``, ``--fsdp-prefetch``).
 
 Each row on N GPUs also measures the link in its own job, after training: all-reduce, all-gather and reduce-scatter
 bus bandwidth at the message sizes its step moves, in bf16 and fp32 (``compile_trainer.telemetry.link``); from them
@@ -40,7 +40,7 @@ from compile_trainer import CompileCallback  # noqa: E402
 from compile_trainer.lightning.strategies import model_shape, strategy_kind  # noqa: E402
 from compile_trainer.telemetry.communication import LinkPlan, step_communication  # noqa: E402
 from compile_trainer.telemetry.link import COLLECTIVES, gpu_topology, grid, probe_link  # noqa: E402
-from recipes.gpt import GPT, GPTConfig, compile_and_shard  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig, compile_and_shard  # noqa: E402
 
 SMOKE_GPT2 = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16)
 SEQUENCE, SMOKE_SEQUENCE = 1024, 16  # tokens a sample (the Llama: real_models.py's, use_cache=False)
@@ -392,8 +392,9 @@ BENCHMARK = common.Benchmark(
         "first_step_vs_1: the slowest rank's first step (compiles included) against one device's; for a cache "
         "row, against the cold regional row of its strategy that wrote the bundle.",
         "Every run starts with empty Inductor and Triton caches; the ranks of one run share them (one host).",
-        "fsdp2: ModelParallelStrategy, recipes.gpt.compile_and_shard in configure_model (the policy applied, then "
-        "fully_shard on each block, the last one never resharded, and on the root); fsdp: param_dtype/reduce_dtype "
+        "fsdp2: ModelParallelStrategy, compile_trainer_recipes.gpt.compile_and_shard in configure_model (the policy "
+        "applied, then fully_shard on each block, the last one never resharded, and on the root); fsdp: "
+        "param_dtype/reduce_dtype "
         "of its MixedPrecisionPolicy, no-reshard (reshard_after_forward=False), prefetch k (each block's forward "
         "issues the next k blocks' all-gathers).",
         "Link (rows on N GPUs, probed in the row's own job after training): comm_mb, the bytes a step's collectives "

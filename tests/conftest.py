@@ -23,7 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 
-from recipes.gpt import GPT, GPTConfig  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")

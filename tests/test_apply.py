@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, compat, format_plan_table, to_policy
 from compile_trainer.compiling.plan_table import plan_rows
-from recipes.data import StdlibTextDataModule
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import StdlibTextDataModule
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT, Wrapper, quiet_cpu_trainer
 
 

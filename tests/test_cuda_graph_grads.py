@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, apply_policy, to_policy
 from compile_trainer.compiling.cuda_graph_grads import copy_cuda_graph_gradients
-from recipes.gpt import GPTConfig, LanguageModel
+from compile_trainer_recipes.gpt import GPTConfig, LanguageModel
 from tests.conftest import quiet_cpu_trainer
 
 CUDA_GRAPHS = {"triton.cudagraphs": True}

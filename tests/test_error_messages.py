@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from compile_trainer import CompileCallback, PolicyError, apply_policy, to_policy
 from compile_trainer.compiling.plan_table import plan_rows
 from compile_trainer.runs.hydra_configs import register_configs, unknown_override_keys
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT, quiet_cpu_trainer
 from tests.telemetry_models import TinyRegression
 
@@ -135,8 +135,8 @@ def test_a_second_fit_under_another_policy_names_the_policy_left_from_the_first_
 def _readme_policy_yaml() -> str:
     """The custom policy of README.md, exactly as printed there."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(# conf/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
-    assert len(blocks) == 1, "README.md shows one conf/compile/my_policy.yaml"
+    blocks = re.findall(r"```yaml\n(# configs/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1, "README.md shows one configs/compile/my_policy.yaml"
     return blocks[0]
 
 

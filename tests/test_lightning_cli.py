@@ -19,8 +19,8 @@ from lightning.pytorch.cli import LightningCLI
 from compile_trainer import CompileCallback, PolicyError
 from compile_trainer.schema import bundled_policy_names
 from compile_trainer.schema.policy import optimizer_settings
-from recipes.data import StdlibTextDataModule
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import StdlibTextDataModule
+from compile_trainer_recipes.gpt import LanguageModel
 
 STEPS = 3
 

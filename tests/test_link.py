@@ -176,7 +176,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from compile_trainer.telemetry.communication import FSDP2_SETTINGS_ATTR, fsdp2_units
 from compile_trainer.telemetry.link import grid, probe_link
-from recipes.gpt import GPT, GPTConfig, compile_and_shard
+from compile_trainer_recipes.gpt import GPT, GPTConfig, compile_and_shard
 
 rank = int(sys.argv[2])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=rank, world_size=2)

@@ -16,8 +16,8 @@ from compile_trainer.runs.hydra_configs import register_configs
 from compile_trainer.schema.shapes import ShapesPolicy, bucket_lengths
 from compile_trainer.shapes.batch import BatchShaper, PadCollate, ShapeError
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors
-from recipes.data import PadToLongest, Paragraphs, TokenBatch
-from recipes.gpt import GPT
+from compile_trainer_recipes.data import PadToLongest, Paragraphs, TokenBatch
+from compile_trainer_recipes.gpt import GPT
 from tests.conftest import TINY_GPT, Wrapper
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from compile_trainer import CompileCallback, to_policy
 from compile_trainer.runs.wandb_offline import read_offline_run
 from compile_trainer.shapes.region_inputs import RecompileError
-from recipes.data import TokenBatch
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import TokenBatch
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import quiet_cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from typing import Dict, List
 import pytest
 
 from compile_trainer.runs.wandb_offline import read_offline_run
-from recipes.gpt import GPT, GPTConfig
+from compile_trainer_recipes.gpt import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # gpt_tiny's, smaller; 64 positions: dynamic_full pads lengths to a multiple of 64
