@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from compile_trainer import CompileCallback, apply_policy, format_plan_table, to_policy
 from compile_trainer.telemetry.compile_events import CompileTelemetry
 from compile_trainer.telemetry.compile_report import format_compile_report
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.gpt import LanguageModel
 
 STEPS = 2
 NOUNS = r"regions|compiled entries|entries|graphs|graph breaks|breaks|compiles|recompiles|modules|blocks|frames|rules"
