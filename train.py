@@ -6,18 +6,21 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from compile_trainer.runs.hydra_configs import exit_on_unknown_keys, register_configs
-from compile_trainer.runs.recorder import sweeper_value
-from compile_trainer.runs.training import train
+from compile_trainer.runs.hydra_configs import exit_on_bad_command_line, input_errors_exit, register_configs
 
 register_configs()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    return sweeper_value(train(cfg))  # the objective, for Hydra's sweepers (Optuna)
+    # Imported once the command line is checked: Lightning and W&B take seconds to import.
+    from compile_trainer.runs.recorder import sweeper_value
+    from compile_trainer.runs.training import train
+
+    with input_errors_exit(cfg):  # a bad policy or setting: one screen and status 2, before the run starts
+        return sweeper_value(train(cfg))  # the objective, for Hydra's sweepers (Optuna)
 
 
 if __name__ == "__main__":
-    exit_on_unknown_keys(sys.argv[1:], Path(__file__).resolve().parent / "conf")
+    exit_on_bad_command_line(sys.argv[1:], Path(__file__).resolve().parent / "conf")
     main()

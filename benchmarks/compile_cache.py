@@ -29,7 +29,7 @@ from benchmarks import common, models  # noqa: E402
 from compile_trainer import apply_policy, to_policy  # noqa: E402
 from compile_trainer.cache.session import CompileCache  # noqa: E402
 from compile_trainer.telemetry.compile_events import CompileTelemetry  # noqa: E402
-from recipes.gpt import GPT, GPTConfig  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 MODELS = ("gpt2_small", "llama")
 POLICIES = ("regional", "full")

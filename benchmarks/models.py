@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from compile_trainer.telemetry.flops import grouped_query_attention_formulas
-from recipes.gpt import GPTConfig
+from compile_trainer_recipes.gpt import GPTConfig
 
 GPT2_SMALL = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 TIMM_VIT_TINY = dict(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=2)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, models  # noqa: E402
 from compile_trainer.optimizer import CompiledOptimizerStep, compile_optimizer  # noqa: E402
 from compile_trainer.schema import OptimizerPolicy  # noqa: E402
-from recipes.gpt import GPT, GPTConfig, warmup_cosine_factor  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig, warmup_cosine_factor  # noqa: E402
 
 TINY = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LR, BETAS, WEIGHT_DECAY, MAX_NORM = 6e-4, (0.9, 0.95), 0.1, 1.0

@@ -24,7 +24,7 @@ from benchmarks import common, models  # noqa: E402
 from compile_trainer.compiling.regions import apply_policy  # noqa: E402
 from compile_trainer.lightning.fit_telemetry import FitTelemetry  # noqa: E402
 from compile_trainer.schema import CompilePolicy, Rule, TelemetryConfig, validate_policy  # noqa: E402
-from recipes.gpt import LanguageModel  # noqa: E402
+from compile_trainer_recipes.gpt import LanguageModel  # noqa: E402
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 WARMUP = 3  # steps with telemetry before the windows: the first compiles

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import common, models  # noqa: E402
 from compile_trainer import CompileCallback, apply_policy, to_policy  # noqa: E402
 from compile_trainer.compiling.background import BackgroundCompile  # noqa: E402
-from recipes.data import read_stdlib_bytes  # noqa: E402
-from recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
+from compile_trainer_recipes.data import read_stdlib_bytes  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig, LanguageModel  # noqa: E402
 
 SMOKE = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_embd=32)
 

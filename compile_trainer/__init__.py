@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING
 
 from compile_trainer.compiling.background import BackgroundCompile, BackgroundCompileError
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
-from compile_trainer.compiling.regions import AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.compiling.plan_table import format_plan_table
+from compile_trainer.compiling.regions import AppliedPolicy, apply_policy
 from compile_trainer.optimizer import CompiledOptimizerStep, OptimizerChoice, compile_optimizer
-from compile_trainer.planning.selection import CompilePlan, find_repeated_blocks, resolve_plan
+from compile_trainer.planning.plan import CompilePlan
+from compile_trainer.planning.selection import resolve_plan
+from compile_trainer.planning.stacks import find_repeated_blocks
 from compile_trainer.schema import (
     CompilePolicy,
     CompileSettings,

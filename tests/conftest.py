@@ -23,7 +23,7 @@ import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 from torch import nn  # noqa: E402
 
-from recipes.gpt import GPT, GPTConfig  # noqa: E402
+from compile_trainer_recipes.gpt import GPT, GPTConfig  # noqa: E402
 
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -33,8 +33,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # a worker takes a whole file whenever it is free: these go out first, so that no worker ends up alone on one of them
 # at the end while the other has finished.
 LONG_FILES = (
-    "test_shapes_hf.py", "test_fsdp2.py", "test_distributed.py", "test_user_code_once.py", "test_distributed_cache.py",
-    "test_compile_cache.py",
+    "test_shapes_hf.py", "test_train_distributed.py", "test_fsdp2.py", "test_distributed.py", "test_user_code_once.py",
+    "test_distributed_cache.py", "test_compile_cache.py",
     "test_optimizer.py", "test_train_script.py", "test_shapes_training.py", "test_compile_cache_benchmark.py",
     "test_real_models.py", "test_distributed_benchmark.py", "test_train_step_benchmark.py", "test_sweep.py",
     "test_hf_varlen_benchmark.py", "test_lightning_dropin_benchmark.py", "test_block_values.py",
@@ -50,7 +50,7 @@ TIERS = {
     "benchmarks": ("*_benchmark.py", "test_benchmark_harness.py",
                    "test_optimizer.py::test_benchmark_smoke_runs_without_config_packages"),
     "distributed": ("test_distributed.py", "test_distributed_cache.py", "test_distributed_telemetry.py",
-                    "test_fsdp2.py"),
+                    "test_fsdp2.py", "test_train_distributed.py", "test_link.py::test_probe_link_*gloo_group"),
 }  # fmt: skip
 
 

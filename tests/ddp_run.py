@@ -32,8 +32,9 @@ from torch._dynamo.callback import callback_handler  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
 from compile_trainer import CompileCallback  # noqa: E402
-from recipes.data import TokenBatch  # noqa: E402
-from recipes.gpt import GPTConfig, LanguageModel, compile_and_shard  # noqa: E402
+from compile_trainer.compiling.plan_table import plan_rows  # noqa: E402
+from compile_trainer_recipes.data import TokenBatch  # noqa: E402
+from compile_trainer_recipes.gpt import GPTConfig, LanguageModel, compile_and_shard  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
 BACKEND_COMPILES = [0]  # graphs handed to the eager_counted backend in this process (DDPOptimizer's splits: each)
@@ -127,7 +128,7 @@ class RecordingLM(LanguageModel):
 
 
 class ShardedLM(RecordingLM):
-    """FSDP2: the policy applied in configure_model, then each block and the model sharded (recipes.gpt)."""
+    """FSDP2: the policy applied in configure_model, then each block and the model sharded (the recipes' gpt.py)."""
 
     policy = None  # the callback's policy, set by main()
 
@@ -265,7 +266,7 @@ def train(args: argparse.Namespace) -> CompileCallback:
         "state_dict_keys": list(saved["state_dict"]),
         "optimizer_keys": optimizer_keys,
         "summary": summary,
-        "plan": callback.applied.rows() if callback.applied is not None else [],
+        "plan": plan_rows(callback.applied) if callback.applied is not None else [],
         "world_size": trainer.world_size,
         "gathered_while_compiling": module.gathered_while_compiling,
         "grad_norms": [float(step.grad_norm) for step in callback.optimizer_steps],

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, to_policy
 from compile_trainer.shapes.bucket_warmup import length_dims
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import quiet_cpu_trainer
 from tests.test_shapes_training import MODEL, TWO_BUCKETS, Recorder, Stream, token_batch
 

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, apply_policy, to_policy
 from compile_trainer.compiling.cuda_graph_grads import copy_cuda_graph_gradients
-from recipes.gpt import GPTConfig, LanguageModel
+from compile_trainer_recipes.gpt import GPTConfig, LanguageModel
 from tests.conftest import quiet_cpu_trainer
 
 CUDA_GRAPHS = {"triton.cudagraphs": True}
@@ -207,6 +207,6 @@ def test_regional_trains_like_eager_with_and_without_gradient_accumulation(loop,
     ],
 )
 def test_cuda_graphs_are_read_from_the_mode_and_the_options(mode, options, expected):
-    from compile_trainer.compiling.regions import kwargs_use_cuda_graphs
+    from compile_trainer.compiling.arguments import kwargs_use_cuda_graphs
 
     assert kwargs_use_cuda_graphs({"backend": "inductor", "mode": mode, "options": options}) is expected

@@ -11,10 +11,17 @@ from typing import Dict, List, Optional
 
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    XLAStrategy,
+)
 
 from compile_trainer import apply_policy, to_policy
-from compile_trainer.lightning.strategies import strategy_kind
+from compile_trainer.lightning.strategies import refuse_before_launch, strategy_kind
 from compile_trainer.schema import PolicyError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,6 +223,11 @@ def test_strategies_supported_and_refused():
     refused = r"does not support FSDPStrategy \(FSDP1: .*FSDP2 takes the compiled blocks.*supported: .*'ddp'"
     with pytest.raises(PolicyError, match=refused):
         strategy_kind(FSDPStrategy())
+    # DeepSpeed and XLA are DDPStrategy's subclasses in Lightning: refused all the same, by name before any rank starts
+    for name, strategy in [("deepspeed", DeepSpeedStrategy), ("xla", XLAStrategy)]:
+        with pytest.raises(PolicyError, match=f"does not support {strategy.__name__}; supported"):
+            refuse_before_launch(name, to_policy("regional"))
+    assert refuse_before_launch("ddp_spawn", to_policy("full")) is None
 
 
 def test_callback_adopts_a_policy_applied_in_configure_model_and_refuses_another():

@@ -3,10 +3,13 @@
 docs/BENCHMARKS.md is left out: ``benchmarks/make_report.py`` generates it from result files. Each fenced block is
 handled by its language:
 
-- ``python``: executed as a script of its own (a fresh namespace, a temporary working directory);
+- ``python``: executed as a script of its own (a fresh namespace, a temporary working directory); README.md's as
+  a user runs them: in an empty directory, in a process that can import this package only as installed (a wheel
+  built from the checkout), which must warn about nothing and write nothing there;
 - ``yaml``: parsed, then by what it is: a compile policy (``rules``, ``name`` or a ``defaults`` list) is written
-  into a copy of ``conf/compile/``, composed by Hydra as ``train.py compile=<name>`` does, validated and applied with
-  backend ``eager`` to the recipe's ``LanguageModel`` for one training step; a policy section (``shapes:``,
+  into a copy of ``conf/compile/``, composed by Hydra as ``train.py compile=<name>`` does, read from its path as
+  ``CompileCallback("configs/compile/<name>.yaml")`` reads it (the same policy both ways), validated and applied
+  with backend ``eager`` to the recipe's ``LanguageModel`` for one training step; a policy section (``shapes:``,
   ``optimizer:``, ...) is validated over the bundled ``regional``; a LightningCLI config (``trainer:``, ...) is
   instantiated by ``LightningCLI(run=False)`` with the recipe's model;
 - ``bash``: each command, ``&&``-separated: ``python train.py ...`` is composed by Hydra (a multirun's sweeps
@@ -25,11 +28,14 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
+import os
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 import tomllib
+import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -109,6 +115,87 @@ def run_python(block: Block) -> None:
         torch._dynamo.reset()
 
 
+# Run around a README example in its own process: the example as `python example.py` runs it, with the
+# interpreter's default warning filters (a user's), every warning and every log record at WARNING or above kept.
+# Lightning advises on DataLoader workers from the machine's cores (none on two): the example runs as on a
+# user's machine of 16 cores, wherever the test runs.
+USER_RUN = """
+import json, logging, runpy, sys, warnings
+
+import lightning.fabric.utilities.data
+
+lightning.fabric.utilities.data._num_cpus_available = lambda: 16
+found = []
+handle = logging.Logger.callHandlers
+
+
+def keep_warnings(logger, record):
+    if record.levelno >= logging.WARNING:
+        found.append(f"log {record.name}: {record.getMessage()}")
+    handle(logger, record)
+
+
+logging.Logger.callHandlers = keep_warnings
+with warnings.catch_warnings(record=True) as caught:
+    runpy.run_path(sys.argv[1], run_name="__main__")
+found += [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]
+import compile_trainer
+
+json.dump({"warnings": found, "package": compile_trainer.__file__}, open(sys.argv[2], "w"))
+"""
+
+# Lightning 2.6 builds torch's pytree `LeafSpec`, which torch >= 2.13 deprecates with a FutureWarning: every
+# `Trainer.fit` on those versions prints it, from Lightning's code, whatever the example does.
+UPSTREAM_WARNINGS = re.compile(r"FutureWarning: `isinstance\(treespec, LeafSpec\)` is deprecated")
+# The package's files as a wheel takes them (pyproject.toml's packages), copied so that the build writes nothing
+# into the checkout.
+PACKAGE_SOURCES = ["pyproject.toml", "README.md", "compile_trainer", "compile_trainer_recipes", "conf"]
+
+
+@pytest.fixture(scope="module")
+def installed_package(tmp_path_factory) -> Path:
+    """The package as `pip install` gives it to a user, away from this checkout: a wheel built from it, unpacked."""
+    build = tmp_path_factory.mktemp("build")
+    source = build / "source"
+    source.mkdir()
+    for name in PACKAGE_SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
+    wheel_dir = build / "wheel"
+    command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w"]
+    subprocess.run([*command, str(wheel_dir)], check=True, capture_output=True)
+    (wheel,) = wheel_dir.glob("compile_trainer-*.whl")
+    site = build / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    return site
+
+
+def run_python_as_a_user(block: Block, site: Path, tmp_path: Path) -> None:
+    """The example as a user runs it: saved as a file, run in an empty directory by a Python that has the installed
+    package and its dependencies, nothing of this checkout. It must warn about nothing and leave the directory
+    empty."""
+    scripts, empty = tmp_path / "scripts", tmp_path / "empty"
+    scripts.mkdir()
+    empty.mkdir()
+    (scripts / "example.py").write_text(block.text)
+    (scripts / "user_run.py").write_text(USER_RUN)
+    report = scripts / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)}
+    command = [sys.executable, str(scripts / "user_run.py"), str(scripts / "example.py"), str(report)]
+    result = subprocess.run(command, cwd=empty, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{block.id}: {result.stderr[-3000:]}"
+    found = json.loads(report.read_text())
+    assert Path(found["package"]).is_relative_to(site), "the installed package ran, not the checkout"
+    warned = [w for w in found["warnings"] if not UPSTREAM_WARNINGS.search(w)]
+    assert not warned, f"{block.id} warns: {warned}"
+    printed = [line for line in (result.stdout + result.stderr).splitlines() if re.search(r"\bwarn", line, re.I)]
+    assert not printed, f"{block.id} prints warnings: {printed}"
+    written = sorted(str(p.relative_to(empty)) for p in empty.rglob("*"))
+    assert not written, f"{block.id} wrote into the directory it ran in: {written}"
+
+
 # ------------------------------------------------------------------------------------------------------ yaml
 
 
@@ -127,7 +214,8 @@ def run_yaml(block: Block, tmp_path: Path) -> None:
 
 
 def run_policy_file(config: Dict, tmp_path: Path) -> None:
-    """A policy file as a user adds one: into conf/compile/, composed by Hydra, validated, applied, one step."""
+    """A policy file as a user adds one: into conf/compile/, composed by Hydra; and in a project of one's own,
+    read from its path. The same policy both ways, validated, applied, one step."""
     name = config.get("name", "doc_example")
     conf = tmp_path / "conf"
     shutil.copytree(ROOT / "conf", conf)
@@ -138,9 +226,13 @@ def run_policy_file(config: Dict, tmp_path: Path) -> None:
         cfg = compose("config", overrides=[f"compile={name}"])
     policy = to_policy(OmegaConf.to_container(cfg.compile, resolve=True), backend="eager")
     assert policy.name == name
+    own = tmp_path / "configs" / "compile" / f"{name}.yaml"
+    own.parent.mkdir(parents=True)
+    own.write_text(yaml.safe_dump(config))
+    assert to_policy(str(own), backend="eager") == policy, "a file read by path differs from Hydra's composition"
     if not policy.rules:
         return
-    from recipes.gpt import LanguageModel
+    from compile_trainer_recipes.gpt import LanguageModel
 
     model = LanguageModel(TINY_GPT)
     applied = apply_policy(model, policy)
@@ -157,8 +249,8 @@ def run_lightning_cli_config(block: Block, config: Dict, tmp_path: Path) -> None
     """A LightningCLI config, built as `python my_cli.py fit --config config.yaml` builds it (without fitting)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from recipes.data import StdlibTextDataModule
-    from recipes.gpt import LanguageModel
+    from compile_trainer_recipes.data import StdlibTextDataModule
+    from compile_trainer_recipes.gpt import LanguageModel
 
     path = tmp_path / "config.yaml"
     path.write_text(block.text)
@@ -292,12 +384,14 @@ def check_benchmark_command(words: List[str]) -> None:
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_example_runs(block: Block, tmp_path, monkeypatch):
+def test_example_runs(block: Block, tmp_path, monkeypatch, request):
     if block.illustration is not None:
         assert block.illustration, f"{block.id}: an illustration marker must say why the block is not run"
         return
     monkeypatch.chdir(tmp_path)  # what an example writes (logs, checkpoints) stays out of the repository
-    if block.lang == "python":
+    if block.lang == "python" and block.page.name == "README.md":
+        run_python_as_a_user(block, request.getfixturevalue("installed_package"), tmp_path)
+    elif block.lang == "python":
         run_python(block)
     elif block.lang == "yaml":
         run_yaml(block, tmp_path)

@@ -11,8 +11,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, to_policy
+from compile_trainer.compiling.plan_table import plan_rows
 from compile_trainer.runs.hydra_configs import register_configs, unknown_override_keys
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import TINY_GPT, quiet_cpu_trainer
 from tests.telemetry_models import TinyRegression
 
@@ -134,8 +135,8 @@ def test_a_second_fit_under_another_policy_names_the_policy_left_from_the_first_
 def _readme_policy_yaml() -> str:
     """The custom policy of README.md, exactly as printed there."""
     readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(# conf/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
-    assert len(blocks) == 1, "README.md shows one conf/compile/my_policy.yaml"
+    blocks = re.findall(r"```yaml\n(# configs/compile/my_policy\.yaml[^\n]*\n.*?)```", readme, flags=re.S)
+    assert len(blocks) == 1, "README.md shows one configs/compile/my_policy.yaml"
     return blocks[0]
 
 
@@ -153,7 +154,7 @@ def test_the_readme_custom_policy_composes_and_applies_to_the_recipe_gpt(tmp_pat
     eager = LanguageModel(TINY_GPT)
     eager.load_state_dict(module.state_dict())
     applied = apply_policy(module, policy)
-    rows = {row["module"]: row for row in applied.rows()}
+    rows = {row["module"]: row for row in plan_rows(applied)}
     assert rows["model.blocks.0"]["action"] == "eager"
     assert rows["model.blocks.0.mlp"]["action"] == "full" and rows["model.blocks.0.mlp"]["rule"] == 2
     mlp = next(region for region in applied.plan.regions if region.name == "model.blocks.0.mlp")

@@ -22,7 +22,7 @@ def test_broken_module_fails_with_the_break_located_and_clean_module_passes(caps
     assert f"{models.__file__}:{models.line_of('graph break: item')} in forward" in out
     assert "reason: Unsupported Tensor.item()" in out and "capture_scalar_outputs" in out
     assert "module net.blocks.0 and 1 more (ItemBreakBlock)" in out
-    assert "1 graph break(s)" in out
+    assert "1 graph break, 0 declared by eager rules" in out
 
     assert main(["explain", "--module", "tests.telemetry_models:BrokenRegression", *EAGER]) == EXIT_OK
     capsys.readouterr()
@@ -64,4 +64,4 @@ def test_python_m_compile_trainer_explains_a_recipe_config():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "one training step of LanguageModel" in result.stdout
     assert re.search(r"model\.blocks\s+2\s+1\s+0\s+0\s+1\s", result.stdout), result.stdout
-    assert "0 graph break(s)" in result.stdout
+    assert "0 graph breaks, 0 declared by eager rules" in result.stdout

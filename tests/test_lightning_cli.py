@@ -6,6 +6,7 @@ overrides are ``**overrides``: jsonargparse accepts them under ``dict_kwargs`` (
 ``init_args``, whose keys must be named parameters of ``__init__``.
 """
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -18,8 +19,8 @@ from lightning.pytorch.cli import LightningCLI
 from compile_trainer import CompileCallback, PolicyError
 from compile_trainer.schema import bundled_policy_names
 from compile_trainer.schema.policy import optimizer_settings
-from recipes.data import StdlibTextDataModule
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import StdlibTextDataModule
+from compile_trainer_recipes.gpt import LanguageModel
 
 STEPS = 3
 
@@ -176,7 +177,8 @@ def test_unknown_policy_name_in_yaml_fails_before_training_and_lists_the_bundled
     )
     bundled = ", ".join(bundled_policy_names())
     # jsonargparse wraps the callback's error (a ValueError naming every type it tried), the message kept.
-    with pytest.raises(ValueError, match=f"unknown compile policy 'regionl'. Bundled policies: {bundled}.") as error:
+    message = f"unknown compile policy 'regionl' (did you mean 'regional'?): a name is a bundled policy ({bundled})"
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
         run_cli(config, "fit", save_config_callback=None)
     assert any(isinstance(e, PolicyError) for e in cause_chain(error.value))
     assert CountingLanguageModel.training_steps == 0

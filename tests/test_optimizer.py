@@ -25,8 +25,8 @@ from compile_trainer.optimizer import compile_optimizer
 from compile_trainer.runs.hydra_configs import register_configs
 from compile_trainer.runs.training import build_callback
 from compile_trainer.schema import OptimizerPolicy, optimizer_settings
-from recipes.data import StdlibTextDataModule
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import StdlibTextDataModule
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.benchmark_smoke import ROOT, WITHOUT_CONFIG_PACKAGES
 from tests.conftest import TINY_GPT, quiet_cpu_trainer
 

@@ -13,7 +13,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback, PolicyError, apply_policy, compat, format_plan_table, to_policy
-from compile_trainer.compiling.regions import NESTED_SINGLE_CALL_MUTATION_VERSION
+from compile_trainer.compiling.nested import NESTED_SINGLE_CALL_MUTATION_VERSION
+from compile_trainer.compiling.plan_table import plan_rows
 from tests.conftest import quiet_cpu_trainer
 from tests.user_models import MNISTLitModule, UserData, UserModule, digit_batches
 
@@ -158,31 +159,31 @@ def test_checkpoints_of_a_real_model_load_both_ways(tmp_path):
 
 PLANS = {
     "llama": [
-        "model.model.layers.3 LlamaDecoderLayer regional block 0 backend=aot_eager mode=default 4",
-        "8 regions, 5 distinct compiled entries",
+        "model.model.layers.3 LlamaDecoderLayer regional block 0 backend=aot_eager 4",
+        "8 regions, 5 compiled entries",
         "note: LlamaDecoderLayer blocks read their index (self_attn.layer_idx) only to address a KV cache, which "
         "LlamaForCausalLM's config (use_cache=True) builds in training too: the training forwards of model.model run "
         "without one (use_cache=False where the call does not ask for a cache), so the blocks share one graph; calls "
         "that pass a cache (evaluation, generation) run a graph per block",
     ],
     "t5_6_layers": [
-        "model.decoder.block.5 T5Block regional block 0 backend=aot_eager mode=default 5",
-        "12 regions, 4 distinct compiled entries",
+        "model.decoder.block.5 T5Block regional block 0 backend=aot_eager 5",
+        "12 regions, 4 compiled entries",
         "the training forwards of model.decoder run without one",
         "note: 12 T5Block blocks differ in structure (parameter or submodule layout; values is_decoder, "
         "layer.0.SelfAttention.has_relative_attention_bias, layer.0.SelfAttention.is_causal, "
         "layer.0.SelfAttention.is_decoder): 4 compiled entries, one per distinct structure",
     ],
     "convnext": [
-        "model.convnext.encoder.stages.2.layers.8 ConvNextLayer regional block 0 backend=aot_eager mode=default 9",
-        "18 regions, 4 distinct compiled entries",
+        "model.convnext.encoder.stages.2.layers.8 ConvNextLayer regional block 0 backend=aot_eager 9",
+        "18 regions, 4 compiled entries",
         "note: model.convnext.encoder.stages (ModuleList): 4 ConvNextStage children in 4 distinct structures (1.0 per "
         "graph); the stacks inside them (model.convnext.encoder.stages.0.layers, "
         "model.convnext.encoder.stages.1.layers, model.convnext.encoder.stages.2.layers and 1 more): 18 blocks in 4 "
         "structures (4.5 per graph): compiled at that depth, the children's other parts as the rest",
     ],
     "beit": [
-        "model.beit.layers.5 BeitLayer regional block 0 backend=aot_eager mode=default 5",
+        "model.beit.layers.5 BeitLayer regional block 0 backend=aot_eager 5",
         "note: 5 BeitLayer blocks (model.beit.layers.1, model.beit.layers.2, model.beit.layers.3 and 2 more) differ "
         "only in the floats drop_path.drop_prob: one graph, each block's values passed "
         "to it as inputs (stochastic-depth probabilities as tensors, other floats as symbolic floats)",
@@ -296,7 +297,7 @@ def test_nested_stages_of_a_resnet_train_from_torch_2_13_and_are_refused_before(
             apply_policy(root, policy)
         return
     applied = apply_policy(root, policy)
-    assert [row["action"] for row in applied.rows()] == ["full, nested blocks", "nested block", "nested block"]
+    assert [row["action"] for row in plan_rows(applied)] == ["full, nested blocks", "nested block", "nested block"]
     norm = model.resnet.embedder.embedder.normalization
     tracked = [m.num_batches_tracked.item() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     model(pixel_values=torch.randn(4, 3, 32, 32), labels=torch.randint(0, 10, (4,))).loss.backward()

@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import quiet_cpu_trainer
 
 MODEL = {"vocab_size": 64, "block_size": 8, "n_layer": 1, "n_head": 2, "n_embd": 16}

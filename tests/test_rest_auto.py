@@ -126,7 +126,13 @@ def test_auto_falls_back_to_compile_where_the_module_loops_over_its_blocks(tiny_
         "model.head": "rest",
         "head": "full",  # the Wrapper's own head, matched by the glob, has no blocks: compiled whole
     }
-    assert "(rest: outer)" in notes(plan) and "loops over its blocks in its own forward" in notes(plan)
+    share = share_outside(tiny_gpt, tiny_gpt.blocks)
+    assert (
+        f"model (GPT): {share:.1%} of its parameters and buffers outside its 3 blocks (>= regional_outer_min_share "
+        "10%), and it loops over its blocks in its own forward, so it cannot be compiled around them: its parts with "
+        "weights compiled as their own regions (rest: compile)"
+    ) in notes(plan)
+    assert "(rest: outer)" not in notes(plan), "one note for the one decision: the parts are regions, not an outer one"
 
 
 @pytest.mark.parametrize("wrap", [Wrapper, SlicingWrapper], ids=["loops_over_its_blocks", "weights_all_in_the_break"])

@@ -16,8 +16,8 @@ from compile_trainer.runs.hydra_configs import register_configs
 from compile_trainer.schema.shapes import ShapesPolicy, bucket_lengths
 from compile_trainer.shapes.batch import BatchShaper, PadCollate, ShapeError
 from compile_trainer.shapes.region_inputs import RegionShapeInterceptors
-from recipes.data import PadToLongest, Paragraphs, TokenBatch
-from recipes.gpt import GPT
+from compile_trainer_recipes.data import PadToLongest, Paragraphs, TokenBatch
+from compile_trainer_recipes.gpt import GPT
 from tests.conftest import TINY_GPT, Wrapper
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -231,15 +231,16 @@ def test_pad_collate_pads_on_the_host_in_a_dataloader():
     assert (batches[0].targets[0] == -100).sum() == 32 - 20 and (batches[0].inputs[0, 20:] == 0).all()
 
 
-def test_bundled_buckets_and_dynamic_policies_select_the_varlen_recipe():
+def test_bundled_buckets_and_dynamic_policies_leave_the_recipe_to_the_user():
+    """A policy file picks no recipe (another project's Hydra config could not compose one that did)."""
     with initialize_config_dir(str(CONF), version_base="1.3"):
-        buckets = compose("config", overrides=["compile=buckets"])
+        buckets = compose("config", overrides=["compile=buckets", "recipe=gpt_tiny_varlen"])
         regional_then_buckets = compose("config", overrides=["compile=[regional,buckets]"])
-        own_recipe = compose("config", overrides=["compile=dynamic", "recipe=gpt_tiny"])
+        own_recipe = compose("config", overrides=["compile=dynamic"])
     assert buckets.recipe.name == "gpt_tiny_varlen" and buckets.recipe.data.val_batch_size == 8
     policy = to_policy(OmegaConf.to_container(buckets.compile, resolve=True))
     assert policy.dynamic is False and policy.shapes.pad.buckets == [32, 64, 96, 128] and policy.shapes.warmup
     assert policy.rules[0].action == "regional"
     assert to_policy(OmegaConf.to_container(regional_then_buckets.compile, resolve=True)) == policy
-    assert own_recipe.recipe.name == "gpt_tiny", "a recipe given on the command line wins"
+    assert own_recipe.recipe.name == "gpt_tiny", "the config's default recipe"
     assert [d.dim for d in to_policy("dynamic").shapes.dynamic] == [0, 1] * 5

@@ -180,7 +180,8 @@ def test_dynamic_turns_cudnn_attention_off_on_the_gpu_while_applied():
     """cuDNN attention builds a plan per new length (host-bound steps on an H100): off while a dynamic policy is
     applied to a model on the GPU, back on after; on while lengths are padded to a few (each plan built once).
     Nothing runs on the device: the policy is only applied."""
-    from compile_trainer.compiling.regions import CUDNN_ATTENTION_OFF, apply_policy
+    from compile_trainer.compiling.process_settings import CUDNN_ATTENTION_OFF
+    from compile_trainer.compiling.regions import apply_policy
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
     on_cpu = apply_policy(UserModule("llama", use_cache=False), to_policy("dynamic"), device=torch.device("cpu"))

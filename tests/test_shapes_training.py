@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader
 from compile_trainer import CompileCallback, to_policy
 from compile_trainer.runs.wandb_offline import read_offline_run
 from compile_trainer.shapes.region_inputs import RecompileError
-from recipes.data import TokenBatch
-from recipes.gpt import LanguageModel
+from compile_trainer_recipes.data import TokenBatch
+from compile_trainer_recipes.gpt import LanguageModel
 from tests.conftest import quiet_cpu_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,12 +176,13 @@ def test_strict_recompiles_raises_on_a_new_shape_after_warm_up_and_not_before():
 
 
 def test_train_script_runs_buckets_on_the_variable_length_recipe(tmp_path):
-    """``python train.py compile=buckets``: the policy picks the variable-length recipe its buckets fit."""
+    """``python train.py compile=buckets recipe=gpt_tiny_varlen``: buckets on the variable-length recipe."""
     command = [
         sys.executable,
         "train.py",
         f"hydra.run.dir={tmp_path}",
         "compile=buckets",
+        "recipe=gpt_tiny_varlen",
         "compile.backend=aot_eager",
         "compile.shapes.pad.buckets=[16,32]",
         "recipe.module.model.n_layer=2",

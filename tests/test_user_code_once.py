@@ -19,8 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from compile_trainer import CompileCallback
 from compile_trainer.schema import to_policy
-from recipes.data import TokenBatch
-from recipes.gpt import GPT, GPTConfig
+from compile_trainer_recipes.data import TokenBatch
+from compile_trainer_recipes.gpt import GPT, GPTConfig
 from tests.conftest import quiet_cpu_trainer
 from tests.user_models import IMAGE, VOCAB, TimmViT, tiny_llama
 

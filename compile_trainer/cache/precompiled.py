@@ -39,8 +39,9 @@ from torch.utils._pytree import tree_map
 
 from compile_trainer import compat
 from compile_trainer.cache.bundle import BundleError, CompileCacheWarning, decode, encode
+from compile_trainer.compiling.arguments import kwargs_use_cuda_graphs
 from compile_trainer.compiling.region_call import PRECOMPILED
-from compile_trainer.compiling.regions import CompiledRegion, kwargs_use_cuda_graphs
+from compile_trainer.compiling.regions import CompiledRegion
 from compile_trainer.compiling.thread_guards import forks_wait
 
 log = logging.getLogger(__name__)

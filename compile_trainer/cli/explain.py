@@ -20,9 +20,11 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
-from compile_trainer.compiling.regions import apply_policy, format_plan_table
+from compile_trainer.compiling.plan_table import format_plan_table
+from compile_trainer.compiling.regions import apply_policy
 from compile_trainer.lightning.callback import CompileCallback
 from compile_trainer.schema import bundled_policy_dir
+from compile_trainer.tables import plural
 from compile_trainer.telemetry.compile_events import CompileTelemetry
 from compile_trainer.telemetry.compile_report import format_compile_report
 
@@ -47,9 +49,10 @@ class Explanation:
     def report(self) -> str:
         totals = self.telemetry.totals()
         verdict = (
-            f"{totals['graph_breaks']} graph break(s), {totals['declared_graph_breaks']} declared by eager rules, "
-            f"{totals['unique_graphs']} graph(s) in {totals['compiles']} compile(s), "
-            f"{totals['recompiles']} recompile(s), {totals['eager_fallbacks']} frame(s) fell back to eager"
+            f"{plural(totals['graph_breaks'], 'graph break')}, {totals['declared_graph_breaks']} declared by eager "
+            f"rules, {plural(totals['unique_graphs'], 'graph')} in {plural(totals['compiles'], 'compile')}, "
+            f"{plural(totals['recompiles'], 'recompile')}, {plural(totals['eager_fallbacks'], 'frame')} fell back "
+            "to eager"
         )
         return "\n".join(
             [self.plan, "", f"one training step of {self.model}:", format_compile_report(self.telemetry), verdict]

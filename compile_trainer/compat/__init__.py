@@ -98,7 +98,6 @@ from .lowering import (
 from .modules import (
     call_uncompiled,
     compiled_call,
-    has_nested_compile_region,
     install_compiled_call,
     is_nested_compile_region,
     user_compiled,
@@ -184,7 +183,6 @@ __all__ = [
     "fx_tracing_check",
     "graph_break_reasons",
     "guard_code_parts",
-    "has_nested_compile_region",
     "ignored_logger_methods",
     "import_cudagraph_trees",
     "inductor_backend",

@@ -13,7 +13,6 @@ __all__ = [
     "ENTRIES",
     "call_uncompiled",
     "compiled_call",
-    "has_nested_compile_region",
     "install_compiled_call",
     "is_nested_compile_region",
     "user_compiled",
@@ -46,11 +45,6 @@ def user_compiled(module: nn.Module) -> Optional[str]:
     return None
 
 
-def has_nested_compile_region() -> bool:
-    """``torch.compiler.nested_compile_region`` (2.8+)."""
-    return hasattr(torch.compiler, "nested_compile_region")
-
-
 def is_nested_compile_region(function: Callable[..., Any]) -> bool:
     """Whether ``nested_compile_region`` marked ``function`` already (it sets ``__marked_compile_region_fn__``)."""
     return hasattr(function, "__marked_compile_region_fn__")
@@ -72,7 +66,7 @@ def _probe_compiled_call() -> None:
 
 
 def _probe_nested_compile_region() -> None:
-    assert has_nested_compile_region()
+    assert hasattr(torch.compiler, "nested_compile_region")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return x * 2

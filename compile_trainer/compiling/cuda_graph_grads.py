@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from compile_trainer.compiling.regions import AppliedPolicy, kwargs_use_cuda_graphs
+from compile_trainer.compiling.arguments import kwargs_use_cuda_graphs
+from compile_trainer.compiling.regions import AppliedPolicy
 
 
 class GradientCopies:

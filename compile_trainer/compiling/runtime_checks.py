@@ -1,23 +1,44 @@
 """Checks of a policy against the installed torch, run where the policy is applied (before training).
 
 The schema's own checks (``compile_trainer.schema.validate``) need nothing but the policy; these need torch:
-which backends exist, whether background compilation and nested regions are available, whether the compile
+which backends exist, whether background compilation is available, whether the compile
 cache's URL can be reached with the installed packages.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import List, Optional
+
+import torch
 
 from compile_trainer import compat
 from compile_trainer.schema import CompilePolicy, PolicyError
 from compile_trainer.schema.cache import url_protocol
+from compile_trainer.schema.keys import did_you_mean
+
+# Backends torch registers for its own tests and tools, left out of the backends an error offers (still accepted):
+# relu_compile_error_TESTING_ONLY, dynamo_minifier_backend, eager_debug, ... (torch's tags cannot tell them apart:
+# it tags eager and aot_eager "debug" too).
+TORCH_INTERNAL_BACKEND = re.compile("testing|minifier|debug", re.IGNORECASE)
+
+
+def offered_backends() -> List[str]:
+    """The backends an error names as valid: every registered one but torch's test and debugging tools."""
+    return [name for name in registered_backends() if not TORCH_INTERNAL_BACKEND.search(name)]
+
+
+def registered_backends() -> List[str]:
+    return sorted(torch.compiler.list_backends(exclude_tags=()))
 
 
 def check_backend(where: str, backend: Optional[str]) -> None:
-    if backend is not None and backend not in compat.list_backends():
-        valid = ", ".join(compat.list_backends())
-        raise PolicyError(f"{where}: unknown backend {backend!r}. Valid backends: {valid}.")
+    if backend is not None and backend not in registered_backends():
+        offered = offered_backends()
+        raise PolicyError(
+            f"{where}: unknown backend {backend!r}{did_you_mean(backend, offered)}. Valid backends: "
+            f"{', '.join(offered)}."
+        )
 
 
 def background_compile_problem(lowering: str = "thread") -> Optional[str]:
@@ -50,7 +71,7 @@ def cache_storage_problem(location: str) -> Optional[str]:
 
 def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
     """Raise ``PolicyError`` for what the installed torch cannot do of ``policy``; returns it."""
-    where = f"compile policy {policy.name!r}"
+    where = policy.label
     check_backend(where, policy.backend)
     for index, rule in enumerate(policy.rules):
         check_backend(f"{where}, rule {index} {rule.describe()}", rule.backend)
@@ -61,10 +82,6 @@ def check_policy_runtime(policy: CompilePolicy) -> CompilePolicy:
         if problem:
             setting = "background: true" if policy.background else f"rule {deferring[0]}: rest: background"
             raise PolicyError(f"{where}: {setting} {problem}.")
-    nested = policy.regional_rules_with_rest("nested")
-    if nested and policy.enabled and not compat.has_nested_compile_region():
-        problem = compat.needs_torch("rest: nested (torch.compiler.nested_compile_region)", (2, 8))
-        raise PolicyError(f"{where}, rule {nested[0]}: {problem}.")
     if policy.cache.active:
         problem = cache_storage_problem(str(policy.cache.dir))
         if problem:
@@ -83,7 +100,5 @@ COMPILER_COLLECTIVES_NEED_ACCELERATOR = (
 def check_distributed_runtime(policy: CompilePolicy) -> None:
     """Checks that need the installed torch, run when training is distributed."""
     if policy.enabled and policy.distributed.consistent_dynamic_shapes:
-        import torch
-
         if torch.accelerator.device_count() == 0:
             raise PolicyError(COMPILER_COLLECTIVES_NEED_ACCELERATOR)

@@ -19,7 +19,8 @@ from compile_trainer.cache.session import CompileCache
 from compile_trainer.compiling.background import BackgroundCompile
 from compile_trainer.compiling.cuda_graph_grads import GradientCopies, copy_cuda_graph_gradients
 from compile_trainer.compiling.eager_reference import EagerReferenceSteps, eager_reference_for
-from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy, format_plan_table
+from compile_trainer.compiling.plan_table import format_plan_table, plan_rows
+from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy, apply_policy
 from compile_trainer.compiling.runtime_checks import check_distributed_runtime, check_policy_runtime
 from compile_trainer.compiling.warmup import start_compiler_warmup
 from compile_trainer.lightning.batch_hooks import ShapeHooks
@@ -30,6 +31,7 @@ from compile_trainer.lightning.strategies import (
     BUCKET_WARMUP_OFF_UNDER_FSDP2,
     FSDP2_RECIPE,
     compiles_in_background,
+    link_plan,
     strategy_kind,
     warms_up_buckets,
     where_compiled,
@@ -43,6 +45,7 @@ from compile_trainer.optimizer import (
 )
 from compile_trainer.schema import CompilePolicy, PolicyError, policy_to_dict, to_policy, to_telemetry_config
 from compile_trainer.schema.shapes import describe_shapes
+from compile_trainer.telemetry.communication import format_link_plan
 
 log = logging.getLogger(__name__)
 WARM_AFTER_STEPS = 2  # optimizer steps after which the compile cache writes its bundle (all of a step compiled)
@@ -52,9 +55,9 @@ class CompileCallback(pl.Callback):
     """Compile a LightningModule's submodules by a declared policy, after it is on its device.
 
     Args:
-        policy: a ``CompilePolicy``, a dict (or DictConfig) of its fields, or the name of a
-            bundled policy (``none``, ``full``, ``regional``, ...). Validated here, so a bad
-            policy fails when the callback is made.
+        policy: a ``CompilePolicy``, a dict (or DictConfig) of its fields, the name of a bundled
+            policy (``none``, ``full``, ``regional``, ...) or a policy file's path (``configs/compile/
+            mine.yaml``). Validated here, so a bad policy fails when the callback is made.
         print_plan: print the plan table at fit start.
         telemetry: compile and throughput telemetry: ``True`` (default), ``False``, or a
             ``TelemetryConfig`` / dict of its fields (see ``compile_trainer.schema.telemetry``).
@@ -78,6 +81,7 @@ class CompileCallback(pl.Callback):
         self.strategy = "single"  # single, ddp or fsdp2 (lightning.strategies), known at setup
         self.applied_before_fit: Optional[AppliedPolicy] = None  # on the module at setup, before configure_model
         self.ranks: Optional[Dict[str, Any]] = None  # the per-rank report at fit end, on a distributed run
+        self.link = None  # the link probed and the step's communication on it, at fit start on several ranks
         self.telemetry: Union[FitTelemetry, NoTelemetry] = telemetry_for(to_telemetry_config(telemetry))
 
     def summary(self) -> Dict[str, Any]:
@@ -85,6 +89,7 @@ class CompileCallback(pl.Callback):
         summary = self.telemetry.summary()
         summary |= self.background.summary() if self.background is not None else {}
         summary |= {"ranks": self.ranks} if self.ranks is not None else {}
+        summary |= {"link": self.link.as_dict()} if self.link is not None else {}
         return summary | (self.cache.summary(summary.get("compile_time_s")) if self.cache is not None else {})
 
     @override
@@ -99,6 +104,8 @@ class CompileCallback(pl.Callback):
             self.telemetry.start(trainer, pl_module, self.applied)  # a second fit() keeps the compiled regions
             self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
             return
+        if self.telemetry.enabled and self.telemetry.config.link_probe:  # before any compile thread starts
+            self.link = link_plan(trainer, pl_module, self.strategy)
         self.telemetry.before_policy(pl_module)
         if self.policy.cache.active and self.policy.enabled:  # the bundle is loaded before anything compiles
             self.cache = CompileCache(self.policy.cache)
@@ -122,6 +129,7 @@ class CompileCallback(pl.Callback):
         if self.print_plan:
             cache_line = [self.cache.describe()] if self.cache is not None else []
             where = [where_compiled(self.strategy)] if self.strategy != "single" else []
+            where += [format_link_plan(self.link)] if self.link is not None else []
             eager = [self.eager_reference.describe()] if self.eager_reference is not None else []
             rank_zero_info("\n".join([format_plan_table(self.applied), *where, *cache_line, *eager]))
         chosen = self.shape_hooks.choose_auto_buckets() if self.shape_hooks is not None else None
@@ -129,7 +137,9 @@ class CompileCallback(pl.Callback):
             rank_zero_info(chosen)
         self._copy_gradients_if_they_outlive_a_step(trainer, pl_module)
         for logger in trainer.loggers:
-            logger.log_hyperparams({"compile_policy": policy_to_dict(self.policy), "compile_plan": self.applied.rows()})
+            logger.log_hyperparams(
+                {"compile_policy": policy_to_dict(self.policy), "compile_plan": plan_rows(self.applied)}
+            )
 
     def _adopt_applied(self, pl_module: pl.LightningModule) -> Optional[AppliedPolicy]:
         """The policy applied in ``configure_model`` (FSDP2: blocks compiled before ``fully_shard``), or left applied

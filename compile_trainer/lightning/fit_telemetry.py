@@ -206,7 +206,7 @@ class FitTelemetry:
         self.log_metrics(trainer)
         summary = {**self.summary(), **(extra or {})}
         for logger in trainer.loggers:
-            if _is_wandb(logger):
+            if _is_wandb(logger) and trainer.is_global_zero:  # another rank's W&B run is a stand-in with no summary
                 self._log_wandb(logger, summary)
         if self.config.print_summary:
             rank_zero_info(self.format_summary(summary))

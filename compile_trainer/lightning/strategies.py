@@ -14,15 +14,45 @@
   background policy compiles in the foreground there (``BACKGROUND_IN_FOREGROUND_UNDER_FSDP2``), and bucket
   warm-up is off (``BUCKET_WARMUP_OFF_UNDER_FSDP2``).
 - anything else (``FSDPStrategy``, DeepSpeed, XLA...) is refused before training, naming those that work.
+
+On several ranks, ``link_plan`` measures the link at fit start and models what a step sends over it
+(``telemetry.link``, ``telemetry.communication``); ``refuse_before_launch`` refuses, before any process starts, a
+strategy or a policy setting that would be refused in each of them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from dataclasses import replace
+from typing import Any, Optional
 
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+import torch
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+    XLAStrategy,
+)
+from lightning.pytorch.utilities import rank_zero_warn
 
-from compile_trainer.schema import PolicyError
+from compile_trainer.schema import CompilePolicy, PolicyError
+from compile_trainer.telemetry.communication import (
+    DDP_BUCKET_BYTES,
+    FSDP2_SETTINGS_ATTR,
+    Fsdp2Settings,
+    LinkPlan,
+    ModelShape,
+    ddp_step,
+    fsdp2_step,
+    fsdp2_units,
+    probe_requests,
+    step_communication,
+)
+from compile_trainer.telemetry.link import dtype_name, gpu_topology, probe_link
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = (
     "one device (strategy='auto'), strategy='ddp' (also 'ddp_spawn', 'ddp_fork'), or FSDP2 through "
@@ -36,14 +66,16 @@ FSDP2_RECIPE = (
 
 
 def strategy_kind(strategy: Any) -> str:
-    """``single``, ``ddp`` or ``fsdp2``; a ``PolicyError`` naming the strategies that work for any other."""
-    if isinstance(strategy, ModelParallelStrategy):
+    """``single``, ``ddp`` or ``fsdp2`` for a strategy (or its class); a ``PolicyError`` naming the strategies that
+    work for any other."""
+    kind = strategy if isinstance(strategy, type) else type(strategy)
+    if issubclass(kind, ModelParallelStrategy):
         return "fsdp2"
-    if isinstance(strategy, DDPStrategy):
+    if issubclass(kind, DDPStrategy) and not issubclass(kind, (DeepSpeedStrategy, XLAStrategy)):  # their subclasses
         return "ddp"
-    if isinstance(strategy, SingleDeviceStrategy):
+    if issubclass(kind, SingleDeviceStrategy):
         return "single"
-    name = type(strategy).__name__
+    name = kind.__name__
     why = ""
     if name == "FSDPStrategy":
         why = (
@@ -92,3 +124,60 @@ def where_compiled(kind: str) -> str:
         "sharded as its own FSDP unit); FSDP2's all-gather/reshard hooks run eagerly (Dynamo's skip_fsdp_hooks): "
         "a graph break where a block's frame calls them, expected",
     }[kind]
+
+
+OPTIMIZER_UNDER_FSDP2 = (
+    "compile.optimizer.compile={value} cannot run under FSDP2 (ModelParallelStrategy, trainer=gpu_fsdp2): the "
+    "compiled optimizer step keeps the parameters as views of one flat buffer, which FSDP2's DTensor shards cannot "
+    "become; set compile.optimizer.compile=false (the optimizer's own step), or train under DDP (trainer=gpu_ddp)"
+)
+
+
+def refuse_before_launch(strategy: Any, policy: CompilePolicy) -> None:
+    """A ``PolicyError`` for a Trainer ``strategy`` (a registered name such as ``"ddp"``, or an instance) that the
+    callback would refuse at ``setup``, or a policy setting it cannot run, before Lightning starts the ranks;
+    ``"auto"`` and names Lightning does not know are left to Lightning."""
+    if isinstance(strategy, str):
+        if strategy not in StrategyRegistry.available_strategies():
+            return
+        strategy = StrategyRegistry[strategy]["strategy"]  # the class: made, some need arguments or packages
+    kind = strategy_kind(strategy)
+    if kind == "fsdp2" and policy.optimizer.compile != "false":
+        raise PolicyError(OPTIMIZER_UNDER_FSDP2.format(value=policy.optimizer.compile))
+
+
+PROBE_MAX_BYTES = {"cuda": 256 * 2**20, "cpu": 4 * 2**20}  # larger messages take the rate of the largest probed
+
+
+def model_shape(trainer: Any, pl_module: Any, kind: str) -> ModelShape:
+    """What decides the step's communication (``ModelShape``): the module's parameters, DDP's bucket size, FSDP2's
+    units and the settings ``compile_and_shard`` recorded (else FSDP2's defaults, marked assumed)."""
+    params = list(pl_module.parameters())
+    dtype = dtype_name(params[0].dtype) if params else "float32"
+    bucket = getattr(trainer.strategy.model, "bucket_bytes_cap", DDP_BUCKET_BYTES)  # DistributedDataParallel's
+    settings = getattr(pl_module, FSDP2_SETTINGS_ATTR, None) or Fsdp2Settings(dtype, dtype, assumed=True)
+    device = pl_module.device
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    units = fsdp2_units(pl_module) if kind == "fsdp2" else None
+    return ModelShape([p.numel() for p in params], dtype, trainer.world_size, units, settings, bucket, memory)
+
+
+def link_plan(trainer: Any, pl_module: Any, kind: str) -> Optional[LinkPlan]:
+    """On several ranks: the link probed at the message sizes a step moves under ``kind`` and under the settings
+    it is compared with (a collective of a few sizes: well under a second on a GPU), the GPU topology, and the
+    step's communication (``LinkPlan``). None on one process; a failure is a warning, never the run's end."""
+    if kind == "single" or trainer.world_size < 2:
+        return None
+    try:
+        shape = model_shape(trainer, pl_module, kind)
+        steps = [step_communication(kind, shape)]
+        if kind == "fsdp2":
+            steps += [ddp_step(shape), fsdp2_step(shape, replace(shape.fsdp2, param_dtype="bfloat16"))]
+        device = pl_module.device
+        requests = probe_requests(steps, PROBE_MAX_BYTES.get(device.type, PROBE_MAX_BYTES["cpu"]))
+        probe = probe_link(requests, device, warmup=1, iterations=3)
+        topology = gpu_topology() if device.type == "cuda" and trainer.is_global_zero else None
+        return LinkPlan(kind, shape, probe, topology["summary"] if topology else None)
+    except Exception as error:  # what the plan says informs; it never stops a run
+        rank_zero_warn(f"link probe skipped ({type(error).__name__}: {error}); telemetry.link_probe=false turns it off")
+        return None

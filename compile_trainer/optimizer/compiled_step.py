@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Optional, Tuple,
 import torch
 
 from compile_trainer import compat
-from compile_trainer.compiling.regions import compile_kwargs
+from compile_trainer.compiling.arguments import compile_kwargs
 from compile_trainer.optimizer.algorithms import ADAM, SGD, Clipping, algorithm_for
 from compile_trainer.optimizer.auto import AutoTrial, OptimizerChoice
 from compile_trainer.optimizer.flat import FlatLayout

@@ -103,8 +103,10 @@ class RunRecorder:
 
     def __exit__(self, kind: Any, error: Optional[BaseException], tb: Any) -> bool:
         self.result = self.collect(error)
-        path = write_result(self.hydra.output_dir, self.result)
-        log.info("run result (%s) written to %s", self.result["status"], path)
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        if rank == 0 or error is not None:  # the ranks share the run directory: rank 0's file, another's failure
+            path = write_result(self.hydra.output_dir, self.result, rank)
+            log.info("run result (%s) written to %s", self.result["status"], path)
         return False  # a failure propagates
 
     @property
@@ -175,6 +177,8 @@ class RunRecorder:
             "data": {k: v for k, v in data.items() if k not in DATA_LOADING_KEYS},
             "model": OmegaConf.to_container(recipe.module, resolve=True),
             "precision": str(self.trainer.precision) if self.trainer else None,
+            "world_size": self.trainer.world_size if self.trainer else None,
+            "strategy": self.callback.strategy if self.callback else None,
             "fresh_cache": self.settings.fresh_cache,
             "environment": {"device": self._device(), "versions": versions()},
             "started_at": self._started_at,

@@ -5,7 +5,11 @@ Plain JSON with stable keys, written by ``train.py`` when a run ends, whether it
 - ``status`` (``ok`` / ``failed``), ``error`` (``type``, ``message``, ``traceback``; ``None`` when ok);
 - ``policy`` (the policy's name), ``policy_settings`` (every field of the policy), ``overrides`` (the
   Hydra overrides that define the run), ``sweep`` (``name``, ``dir``, ``job``);
-- ``summary``: the telemetry headline numbers (``CompileCallback.summary()``, keys in docs/telemetry.md);
+- ``summary``: the telemetry headline numbers (``CompileCallback.summary()``, keys in docs/telemetry.md); on
+  several ranks also ``ranks`` (each rank's first step, median step, recompiles, graphs, peak memory) and ``link``
+  (the link probed at fit start, the step's communication on it, the faster settings);
+- ``world_size``, ``strategy`` (``single``, ``ddp``, ``fsdp2``); on several ranks rank 0 writes the file (another
+  rank that fails writes ``result.rank<N>.json``);
 - ``final_train_loss``, ``final_val_loss``;
 - what must be equal across a sweep: ``seed``, ``max_steps``, ``steps`` (steps trained), ``recipe``,
   ``data`` and ``model`` (the recipe's settings), ``precision``, ``fresh_cache``;
@@ -120,9 +124,28 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_result(run_dir: Union[str, Path], result: Dict[str, Any]) -> Path:
-    """Write ``result.json`` atomically (a report never reads half a file)."""
-    path = Path(run_dir) / RESULT_FILE
+def distributed_metrics(summary: Dict[str, Any]) -> Dict[str, float]:
+    """A distributed run's per-rank figures and link as logger metrics: ``ranks/<figure>/rank<N>`` for each
+    ``*_by_rank`` list of ``summary["ranks"]``, ``link/...`` for the step's communication (empty on one process)."""
+    metrics: Dict[str, float] = {}
+    for key, values in (summary.get("ranks") or {}).items():
+        if key.endswith("_by_rank") and isinstance(values, list):
+            figure = key.removesuffix("_by_rank")
+            numbers = [(rank, v) for rank, v in enumerate(values) if isinstance(v, (int, float))]
+            metrics |= {f"ranks/{figure}/rank{rank}": float(value) for rank, value in numbers}
+    link = summary.get("link") or {}
+    for key in ("bytes_per_step", "link_time_s", "serial_time_s"):
+        if isinstance(link.get(key), (int, float)):
+            metrics[f"link/{key}"] = float(link[key])
+    for collective, rate in ((link.get("probe") or {}).get("busbw_gbps_largest") or {}).items():
+        metrics[f"link/busbw_gbps/{collective}"] = float(rate)
+    return metrics
+
+
+def write_result(run_dir: Union[str, Path], result: Dict[str, Any], rank: int = 0) -> Path:
+    """Write ``result.json`` atomically (a report never reads half a file); another rank than 0 (a failure of its
+    own) writes ``result.rank<N>.json`` beside it."""
+    path = Path(run_dir) / (RESULT_FILE if rank == 0 else f"result.rank{rank}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".json.partial")
     partial.write_text(json.dumps(_finite({"format": RESULT_FORMAT, **result}), indent=2, default=str) + "\n")

@@ -1,4 +1,5 @@
-"""Keys a config section does not declare, named with the nearest valid key and every valid key of the section.
+"""Keys a config section does not declare, named with the nearest valid key and every valid key of the section
+(``did_you_mean`` gives the nearest of any names: keys, policies, backends).
 
 OmegaConf refuses an unknown key with "Key 'bakend' not in 'CompilePolicy'"; these checks run first, wherever a
 policy comes from: a dict or YAML (``to_policy``), a bundled policy's file, a command line's overrides
@@ -34,16 +35,20 @@ def _unwrap(hint: Any) -> Tuple[str, Any]:
     return "leaf", hint
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'backend'?)`` for the choice nearest ``word``, or ``""`` when none is near."""
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
 def unknown_key_message(path: Sequence[str], schema: type, root: str = "") -> str:
     """``path``'s last key is not a field of ``schema`` (the section at ``path[:-1]`` under ``root``)."""
     valid = list(_fields(schema))
     key = str(path[-1])
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     full = ".".join([*([root] if root else []), *map(str, path)])
     section = ".".join([*([root] if root else []), *map(str, path[:-1])])
     where = f"of {section}" if section else "at the top level"
-    hint = f" (did you mean {near[0]!r}?)" if near else ""
-    return f"unknown key {full!r}{hint}; valid keys {where}: {', '.join(valid)}"
+    return f"unknown key {full!r}{did_you_mean(key, valid)}; valid keys {where}: {', '.join(valid)}"
 
 
 def unknown_keys(values: Any, schema: type, root: str = "", path: Sequence[str] = ()) -> List[str]:

@@ -1,13 +1,22 @@
-"""Building validated schema objects from names, dicts and Hydra configs (OmegaConf merges onto the schema)."""
+"""Building validated schema objects from names, files, dicts and Hydra configs (OmegaConf merges onto the schema)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Type, TypeVar
+from typing import Any, Dict, List, Mapping, Type, TypeVar
 
 from compile_trainer.schema.keys import unknown_keys
 from compile_trainer.schema.policy import CompilePolicy
+from compile_trainer.schema.policy_files import (
+    find_policy_file,
+    is_policy_path,
+    merge_bases,
+    policy_names,
+    read_policy_file,
+    unknown_name_message,
+)
 from compile_trainer.schema.sweep import SweepSettings, sweep_settings_problems
 from compile_trainer.schema.telemetry import TelemetryConfig, telemetry_config_problems
 from compile_trainer.schema.validate import PolicyError, validate_policy
@@ -30,11 +39,13 @@ def bundled_policy_dir() -> Path:
 
 
 def bundled_policy_names() -> List[str]:
-    return sorted(p.stem for p in bundled_policy_dir().glob("*.yaml"))
+    return policy_names(bundled_policy_dir())
 
 
 def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
-    """Build a validated policy from a ``CompilePolicy``, a dict/DictConfig, or a bundled policy name.
+    """Build a validated policy from a ``CompilePolicy``, a dict/DictConfig of its fields, the name of a bundled
+    policy (``"regional"``) or the path of a policy file (``"configs/compile/my_policy.yaml"``, a ``Path``):
+    ``compile_trainer.schema.policy_files`` says which a string is.
 
     ``overrides`` are merged on top, e.g. ``to_policy("regional", backend="aot_eager")``. Checks that need
     the installed torch (the backend exists, ...) run when the policy is applied.
@@ -44,21 +55,12 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(CompilePolicy)
-    if spec is None:
-        spec = "regional"
+    unknown = unknown_keys(overrides, CompilePolicy)
+    if unknown:
+        raise PolicyError(f"invalid compile policy: {'; '.join(unknown)}.")
     try:
-        # keys OmegaConf would refuse as "Key 'bakend' not in 'CompilePolicy'", named with what is valid
-        given = {} if isinstance(spec, (str, CompilePolicy)) else OmegaConf.to_container(OmegaConf.create(spec))
-        unknown = unknown_keys(given, CompilePolicy) + unknown_keys(overrides, CompilePolicy)
-        if unknown:
-            raise PolicyError(f"invalid compile policy: {'; '.join(unknown)}.")
-        if isinstance(spec, str):
-            merged = OmegaConf.merge(schema, _load_bundled(spec))
-        elif isinstance(spec, CompilePolicy):
-            merged = OmegaConf.merge(schema, OmegaConf.structured(spec))
-        else:
-            merged = OmegaConf.merge(schema, spec)
+        given = _policy_values("regional" if spec is None else spec)
+        merged = OmegaConf.merge(OmegaConf.structured(CompilePolicy), given)
         if overrides:
             for path in REPLACED_BY_OVERRIDES:  # a dict an override gives whole, not merged into the bundled one
                 if OmegaConf.select(OmegaConf.create(overrides), path) is not None:
@@ -69,29 +71,33 @@ def to_policy(spec: Any = None, **overrides: Any) -> CompilePolicy:
     return validate_policy(OmegaConf.to_object(merged))
 
 
-def _load_bundled(name: str, including: Tuple[str, ...] = ()) -> Any:
-    """Bundled policy ``name`` as Hydra composes it: the bundled policies its ``defaults`` list first (a policy
-    may build on another: ``dynamic_full`` on ``dynamic``), then its own keys; lists are replaced, not appended.
-    The list's other entries (``schema``, ``_self_`` last, recipe overrides) concern Hydra alone."""
-    from omegaconf import OmegaConf
+def _policy_values(spec: Any) -> Any:
+    """The fields ``spec`` gives, as OmegaConf merges them onto the schema; a file's or a dict's ``defaults`` list
+    merged under them (``policy_files``)."""
+    from omegaconf import DictConfig, OmegaConf
 
-    path = bundled_policy_dir() / f"{name}.yaml"
-    if not path.is_file():
-        raise PolicyError(f"unknown compile policy {name!r}. Bundled policies: {', '.join(bundled_policy_names())}.")
-    if name in including:
-        raise PolicyError(f"compile policy {name!r} includes itself: {' -> '.join((*including, name))}.")
-    loaded = OmegaConf.load(path)
-    bases = [entry for entry in loaded.pop("defaults", None) or [] if isinstance(entry, str)]
-    unknown = unknown_keys(OmegaConf.to_container(loaded), CompilePolicy)
+    if isinstance(spec, CompilePolicy):
+        return OmegaConf.structured(spec)
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and is_policy_path(spec)):
+        return read_policy_file(find_policy_file(spec), bundled_policy_dir())
+    if isinstance(spec, str):
+        path = bundled_policy_dir() / f"{spec}.yaml"
+        if not path.is_file():
+            raise PolicyError(unknown_name_message(spec, bundled_policy_names()))
+        return read_policy_file(path, bundled_policy_dir())
+    values = OmegaConf.to_container(spec, resolve=True) if isinstance(spec, DictConfig) else spec
+    if not isinstance(values, Mapping):
+        raise PolicyError(
+            "a compile policy is a bundled policy's name, a policy file's path, a dict (or DictConfig) of its fields "
+            f"or a CompilePolicy; got {type(spec).__name__} {spec!r}."
+        )
+    values = dict(values)
+    defaults = values.pop("defaults", None)  # a policy file read with OmegaConf.load, or a YAML mapping like one
+    unknown = unknown_keys(values, CompilePolicy)
     if unknown:
-        raise PolicyError(f"compile policy {name!r} ({path}): {'; '.join(unknown)}.")
-    merged = OmegaConf.create()
-    for base in bases:
-        if base not in ("schema", "_self_"):
-            merged = OmegaConf.merge(merged, _load_bundled(base, (*including, name)))
-    merged = OmegaConf.merge(merged, loaded)
-    merged.name = loaded.get("name", name)
-    return merged
+        raise PolicyError(f"invalid compile policy: {'; '.join(unknown)}.")
+    bases = merge_bases(defaults, [bundled_policy_dir()], bundled_policy_dir(), "compile policy")
+    return OmegaConf.merge(bases, values)
 
 
 def policy_to_dict(policy: CompilePolicy) -> Dict[str, Any]:

@@ -87,6 +87,10 @@ class OptimizerPolicy(SettingsOverrides):
     clip_grad_value: Optional[float] = None
 
 
+# The name of a policy given without one (a dict of its fields); messages call such a policy unnamed.
+UNNAMED = "custom"
+
+
 @dataclass
 class CompilePolicy(CompileSettings):
     """A whole compile policy: global compile settings plus ordered rules.
@@ -94,7 +98,7 @@ class CompilePolicy(CompileSettings):
     ``enabled: false`` (the ``none`` policy) trains eagerly but keeps the telemetry.
     """
 
-    name: str = "custom"
+    name: str = UNNAMED
     enabled: bool = True
     # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
     recompile_limit: int = 8
@@ -127,6 +131,11 @@ class CompilePolicy(CompileSettings):
     @property
     def settings(self) -> CompileSettings:
         return settings_of(self)
+
+    @property
+    def label(self) -> str:
+        """How messages name the policy: ``compile policy 'regional'``, or as unnamed where it was given no name."""
+        return "unnamed compile policy" if self.name == UNNAMED else f"compile policy {self.name!r}"
 
     @property
     def compiles_modules(self) -> bool:

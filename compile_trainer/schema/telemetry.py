@@ -31,6 +31,9 @@ class TelemetryConfig:
     log_every_n_steps: Optional[int] = None
     # Print the summary table at the end of fit.
     print_summary: bool = True
+    # On several ranks: measure the link at fit start (a short collective probe) and say in the plan what a step's
+    # communication costs on it under the strategy, and which strategy or setting would be faster.
+    link_probe: bool = True
     # The first training steps run the compiled regions' original code, timed: the eager step time that the summary's
     # speedup_vs_eager compares compiled steps with (the median of those after the first). 0: none, no speedup.
     eager_reference_steps: int = 5

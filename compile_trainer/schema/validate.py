@@ -16,11 +16,17 @@ from compile_trainer.schema.policy import (
     OPTIMIZER_COMPILE,
     OPTIMIZER_KERNELS,
     REST_ACTIONS,
+    UNNAMED,
     CompilePolicy,
     OptimizerPolicy,
 )
 from compile_trainer.schema.settings import MODES
 from compile_trainer.schema.shapes import dynamic_problems, padding_problems
+
+SCHEMA_ALONE = (
+    " (with compile=schema: that selects the schema that policy files build on, not a policy; choose one, such as "
+    "compile=regional)"
+)
 
 
 class PolicyError(ValueError):
@@ -34,7 +40,7 @@ def check_mode(where: str, mode: Optional[str]) -> None:
 
 def validate_policy(policy: CompilePolicy) -> CompilePolicy:
     """Check values that the type system cannot; raise ``PolicyError`` naming what is valid."""
-    where = f"compile policy {policy.name!r}"
+    where = policy.label
     check_mode(where, policy.mode)
     if policy.recompile_limit < 1:
         raise PolicyError(f"{where}: recompile_limit must be >= 1, got {policy.recompile_limit}.")
@@ -50,9 +56,11 @@ def validate_policy(policy: CompilePolicy) -> CompilePolicy:
         )
     validate_optimizer_policy(policy.optimizer, f"{where}, optimizer")
     if policy.enabled and not policy.rules and policy.optimizer.compile == "false":
+        schema_alone = SCHEMA_ALONE if policy.name == UNNAMED else ""  # what compile=schema composes
         raise PolicyError(
             f"{where}: enabled but has no rules and does not compile the optimizer; add a rule such as "
-            "{name: '*', action: full}, or set optimizer.compile (true or auto) for an optimizer-only policy."
+            "{name: '*', action: full}, or set optimizer.compile (true or auto) for an optimizer-only policy"
+            f"{schema_alone}."
         )
     for index, rule in enumerate(policy.rules):
         rule_where = f"{where}, rule {index} {rule.describe()}"

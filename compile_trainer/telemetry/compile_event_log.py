@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class CompileEventLog:
     """Recompiles, graph breaks (the distinct ones kept, with how often Dynamo met them), frames that fell back to
     eager, recompile-limit hits and graphs that run without CUDA graphs. Each event counts in its region's stats
-    (recompiles excepted: the telemetry counts those, warm-up aside).
+    (recompiles and graph breaks excepted: the telemetry counts those, warm-up aside, and breaks once each).
 
     ``where`` arguments have a ``compile_id``, a ``phase`` and a ``step``: a compile's record or a ``Where``.
     """
@@ -79,7 +79,6 @@ class CompileEventLog:
         if key not in self.breaks:
             declared = "torch.compiler.disable" in reason and any(name in reason for name in self._declared)
             self.breaks[key] = GraphBreak(stats.label, reason, location, function, declared, step=record.step)
-            stats.graph_breaks += 1
             fix = suggest_fix("graph_break", reason)
             event = self.add("graph_break", stats.label, record, first_line(reason), location, fix)
             log.log(

@@ -215,7 +215,20 @@ class CompileTelemetry:
             self._finish(record, None)
         self._backward.clear()
         self._runtime_cudagraph_skips()
+        self._count_graph_breaks()
         return self.events[before:]
+
+    def _count_graph_breaks(self) -> None:
+        """Each region's graph breaks, as ``graph_breaks()`` lists them (one without a location counted once with the
+        same break that has one), the declared ones apart: the report's rows and list and ``totals()`` count these."""
+        for stats in self.regions.values():
+            stats.graph_breaks = stats.declared_graph_breaks = 0
+        for item in self.graph_breaks():
+            stats = self._stats(item.region)
+            if item.declared:
+                stats.declared_graph_breaks += 1
+            else:
+                stats.graph_breaks += 1
 
     def _read_metrics(self) -> None:
         metrics = compat.compilation_metrics()
@@ -355,14 +368,14 @@ class CompileTelemetry:
 
     def totals(self) -> Dict[str, Any]:
         """The compile headline numbers (stable keys; see docs/telemetry.md)."""
-        breaks = self.graph_breaks()
+        self._count_graph_breaks()
         return {
             "compile_time_s": self.compile_time_s,
             "compiles": sum(s.compiles for s in self.regions.values()),
             "recompiles": sum(s.recompiles for s in self.regions.values()),
             "grad_mode_variants": sum(s.grad_mode_variants for s in self.regions.values()),
-            "graph_breaks": sum(1 for b in breaks if not b.declared),
-            "declared_graph_breaks": sum(1 for b in breaks if b.declared),
+            "graph_breaks": sum(s.graph_breaks for s in self.regions.values()),
+            "declared_graph_breaks": sum(s.declared_graph_breaks for s in self.regions.values()),
             "unique_graphs": self.unique_graphs,
             "recompile_limit_hits": sum(s.limit_hits for s in self.regions.values()),
             "eager_fallbacks": sum(1 for e in self.events if e.kind == "eager_fallback"),

@@ -82,7 +82,8 @@ class RegionStats:
     graphs: int = 0
     compile_time_s: float = 0.0  # frames, lazy backward and CUDA-graph recording
     recompile_time_s: float = 0.0  # the part of compile_time_s spent in recompiles
-    graph_breaks: int = 0
+    graph_breaks: int = 0  # distinct breaks (CompileTelemetry.graph_breaks) that no eager rule declared
+    declared_graph_breaks: int = 0  # distinct breaks that an eager rule declared
     limit_hits: int = 0
     cudagraph_skips: int = 0  # graphs asked to use CUDA graphs that run without them
     # Lookups in torch's compile caches (Inductor's FX graphs, AOTAutograd) during its compiles: a loaded bundle

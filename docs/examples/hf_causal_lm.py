@@ -25,7 +25,7 @@ import transformers
 from torch.utils.data import DataLoader
 
 from compile_trainer import CompileCallback
-from recipes.data import read_stdlib_bytes, split_paragraphs
+from compile_trainer_recipes.data import read_stdlib_bytes, split_paragraphs
 
 
 class CausalLM(pl.LightningModule):

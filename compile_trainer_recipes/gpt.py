@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -139,7 +139,8 @@ class LanguageModel(pl.LightningModule):
     ``train/loss`` is the mean training loss over each logging interval (``Trainer(log_every_n_steps=...)``),
     logged on the steps the logger writes: a step adds its loss on the device, and Lightning's logging
     machinery, which costs host time on every call, runs once an interval. ``log_loss_every_step`` logs each
-    step's loss instead.
+    step's loss instead. ``fsdp_reshard_after_forward`` and ``fsdp_forward_prefetch``: FSDP2's settings under
+    ``ModelParallelStrategy`` (``compile_and_shard``).
     """
 
     def __init__(
@@ -153,6 +154,8 @@ class LanguageModel(pl.LightningModule):
         betas: Tuple[float, float] = (0.9, 0.95),
         fused: Optional[bool] = None,
         log_loss_every_step: bool = False,
+        fsdp_reshard_after_forward: bool = True,
+        fsdp_forward_prefetch: int = 0,
     ):
         super().__init__()
         config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
@@ -164,6 +167,23 @@ class LanguageModel(pl.LightningModule):
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
         return self.model(idx, targets)
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2, ``trainer=gpu_fsdp2``): the ``CompileCallback``'s policy applied,
+        then the blocks and the model sharded (``compile_and_shard``, ``fsdp_*`` settings); nothing otherwise."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        from compile_trainer import CompileCallback
+
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        policies = [c.policy for c in self.trainer.callbacks if isinstance(c, CompileCallback)]
+        policy = policies[0] if policies and policies[0].compiles_modules else None
+        hparams = self.hparams
+        compile_and_shard(
+            self, self.model, policy, self.device_mesh["data_parallel"],
+            reshard_after_forward=hparams.fsdp_reshard_after_forward, forward_prefetch=hparams.fsdp_forward_prefetch,
+        )  # fmt: skip
 
     def _loss(self, batch) -> torch.Tensor:
         inputs, targets = batch
@@ -224,17 +244,55 @@ def warmup_cosine_factor(step: int, warmup: int, decay: int, min_ratio: float = 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def compile_and_shard(module: pl.LightningModule, model: GPT, policy, mesh) -> None:
+def compile_and_shard(
+    module: pl.LightningModule,
+    model: nn.Module,
+    policy,
+    mesh,
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    forward_prefetch: int = 0,
+    blocks: Optional[Sequence[nn.Module]] = None,
+) -> None:
     """FSDP2 in torchtitan's order, for a LightningModule's ``configure_model`` under ``ModelParallelStrategy``:
     the compile policy applied first (each block compiled in place; ``policy`` None: eager), then ``fully_shard``
-    on each block and on the model. ``CompileCallback(policy)`` adopts the policy applied here."""
-    from torch.distributed.fsdp import fully_shard
+    on each block (``model.blocks``, or ``blocks``) and on the model (the root: the embeddings and the head).
+    ``CompileCallback(policy)`` adopts the policy applied here.
+
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``; by default bf16 parameters with fp32 gradient reduction when
+    the trainer runs bf16 (``bf16-mixed``, ``bf16-true``): the all-gathers move half the bytes, the reduction stays
+    exact; no casting otherwise. ``reshard_after_forward``: free each block's gathered parameters after its forward
+    and gather them again in the backward (False: one all-gather a step instead of two, for the blocks' parameters
+    held from forward to backward); the last block is never resharded, as its backward starts at once (torchtitan).
+    ``forward_prefetch``: each block's forward also issues the all-gathers of the next ``forward_prefetch`` blocks
+    (FSDP2's explicit prefetch; 0: its implicit one). The settings are recorded for the callback's link plan."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     from compile_trainer import apply_policy
     from compile_trainer.compiling.regions import APPLIED_ATTR
+    from compile_trainer.telemetry.communication import FSDP2_SETTINGS_ATTR, Fsdp2Settings
 
-    if policy is not None and getattr(module, APPLIED_ATTR, None) is None:  # configure_model may run twice
+    if isinstance(model, FSDPModule):  # configure_model runs again (a second fit): sharded already
+        return
+    if policy is not None and getattr(module, APPLIED_ATTR, None) is None:
         apply_policy(module, policy)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if mp_policy is None:
+        precision = str(module.trainer.precision) if module._trainer is not None else ""
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision.startswith("bf16") else {}
+        mp_policy = MixedPrecisionPolicy(**bf16)
+    blocks = list(model.blocks if blocks is None else blocks)
+    for index, block in enumerate(blocks):
+        last = index == len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward and not last)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)  # FSDP2 never reshards the root after its forward
+    for index, block in enumerate(blocks[:-1] if forward_prefetch else []):
+        block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + forward_prefetch])
+    stored = next(model.parameters()).dtype
+    settings = Fsdp2Settings(
+        param_dtype=str(mp_policy.param_dtype or stored).removeprefix("torch."),
+        reduce_dtype=str(mp_policy.reduce_dtype or mp_policy.param_dtype or stored).removeprefix("torch."),
+        reshard_after_forward=reshard_after_forward,
+        reshard_last_block=False,
+        forward_prefetch=forward_prefetch,
+    )
+    setattr(module, FSDP2_SETTINGS_ATTR, settings)
