@@ -34,7 +34,8 @@ from compile_trainer import CompileCallback  # noqa: E402
 CACHE_MODEL = {False: "gpt2_small (train.py)", True: "gpt_tiny (train.py, smoke)"}
 COLUMNS = [
     "model", "variant", "first_step_s", "step_ms", "units", "per_s", "mfu", "summary_per_s", "summary_vs_own",
-    "summary_mfu", "summary_mfu_vs_own", "summary_first_step_s", "precompiled_served", "traced", "graphs",
+    "summary_mfu", "summary_mfu_vs_own", "summary_first_step_s", "vs_eager", "summary_speedup_vs_eager",
+    "summary_speedup_vs_separate", "precompiled_served", "traced", "graphs",
     "eager_fallbacks", "failed_captures", "vs_full_cold", "error",
 ]  # fmt: skip
 
@@ -119,11 +120,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
     summary = callback.summary() if callback is not None else {}
     # The second half (past compiles and recordings), or the steps after a background compile's install and the
     # CUDA-graph warm-up and recording it starts, where those came later (a 1,000-step ViT installed at step 749).
-    steady_from = max(len(seconds) // 2, (summary.get("background_eager_steps") or 0) + INSTALL_STEPS)
+    # The callback's eager reference steps come first (telemetry.eager_reference_steps): the compile step follows them.
+    reference = summary.get("eager_steps") or 0
+    steady_from = max(len(seconds) // 2, reference + (summary.get("background_eager_steps") or 0) + INSTALL_STEPS)
     step = statistics.median(seconds[steady_from:] or seconds[len(seconds) // 2 :])
     tokens = args.model == "llama"
     per_step = data[0]["input_ids"].numel() if tokens else data[0][0].shape[0]
-    row = {"model": args.model, "variant": args.variant, "first_step_s": seconds[0], "step_ms": step * 1e3}
+    row = {"model": args.model, "variant": args.variant, "first_step_s": seconds[reference], "step_ms": step * 1e3}
     row |= {"units": "tokens" if tokens else "images", "per_s": per_step / step, "error": None}
     row |= common.flop_rates(flops, step, device)
     if callback is not None:
@@ -131,8 +134,22 @@ def measure(args: argparse.Namespace) -> Dict[str, Any]:
         row |= {"summary_per_s": own, "summary_mfu": mfu, "summary_first_step_s": summary.get("first_step_time_s")}
         row["summary_vs_own"] = own / row["per_s"] if own else None
         row["summary_mfu_vs_own"] = mfu / row["mfu"] if mfu and row["mfu"] else None
+        row["summary_speedup_vs_eager"] = summary.get("speedup_vs_eager")
         row |= {key: value for key, value in summary.items() if key.startswith("background_")}
     return row
+
+
+def finish(rows: List[Dict[str, Any]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """The cache rows' first step over full's with no cache; each variant's speed-up over the separate eager run of
+    its model, and the callback's own speed-up (its eager reference steps in the same fit) against that."""
+    common.add_ratio(
+        rows, "vs_full_cold", "first_step_s", lambda row: row["variant"] == "full cold_no_cache", itemgetter("model")
+    )
+    common.add_ratio(rows, "vs_eager", "step_ms", lambda row: row["variant"] == "eager", itemgetter("model"), True)
+    for row in rows:
+        if row.get("summary_speedup_vs_eager") and row.get("vs_eager"):
+            row["summary_speedup_vs_separate"] = row["summary_speedup_vs_eager"] / row["vs_eager"]
+    return rows
 
 
 def train_py(args: argparse.Namespace) -> Dict[str, Any]:
@@ -191,9 +208,7 @@ BENCHMARK = common.Benchmark(
         "--cache-policies": dict(default="regional,full", help="train.py cache runs ('' for none)"),
     },
     smoke=dict(steps=4),
-    finish=lambda rows, args: common.add_ratio(  # the cache rows' first step over full's with no cache
-        rows, "vs_full_cold", "first_step_s", lambda row: row["variant"] == "full cold_no_cache", itemgetter("model")
-    ),
+    finish=finish,
     notes=lambda args, rows: [
         "A plain LightningModule, Trainer(precision='bf16-mixed'), fused AdamW on the GPU; each variant a fresh "
         "process with empty compile caches.",
@@ -202,7 +217,9 @@ BENCHMARK = common.Benchmark(
         "training batch);"
         " per_s and mfu from it (FLOPs: FlopCounterMode on the eager model, GQA attention counted as its kernels do).",
         "summary_*: CompileCallback.summary() of the same run, with no telemetry configured; *_vs_own: its ratio to "
-        "the benchmark's own figure (goal: within 5%).",
+        "the benchmark's own figure (goal: within 5%). vs_eager: the separate eager run's step over this one's; "
+        "summary_speedup_vs_separate: the callback's speedup_vs_eager (its eager reference steps) over vs_eager "
+        "(goal: within 10%). first_step_s: the step that compiles, after the callback's eager reference steps.",
         "gpt2_small (train.py): the recipe through train.py (trainer=gpu: bf16-mixed), each run a fresh process; "
         "new_machine loads the cold run's bundle with empty Inductor and Triton caches; precompiled_served / traced: "
         "region calls the precompiled layer served / that Dynamo traced instead; vs_full_cold: the first step "
