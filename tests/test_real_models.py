@@ -201,8 +201,8 @@ PLANS = {
         "graph); the stacks inside them (model.resnet.encoder.stages.0.layers, model.resnet.encoder.stages.1.layers, "
         "model.resnet.encoder.stages.2.layers and 1 more): 8 blocks in 7 structures (1.1 per graph): below "
         "regional_min_reuse 3, the children are the blocks",
-        "note: model (ResNetForImageClassification): 4 blocks in 4 distinct structures, 1.0 per compiled graph "
-        "(regional_min_reuse 3): compiled whole",
+        "note: model (ResNetForImageClassification): 4 blocks in 4 structures (1.0 per graph), below "
+        "regional_min_reuse 3: compiled whole",
     ],
 }
 
