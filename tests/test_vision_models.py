@@ -28,19 +28,44 @@ SWIN_STAGE_2 = [f"net.layers.2.blocks.{i}" for i in range(6)]
 PLANS = {
     # stage 0's first block has no drop path (the rate starts at 0): a structure of its own; each later stage is
     # one structure (its blocks differ only in their drop-path rate, a graph input)
-    "convnext": (18, 5, [f"net.stages.{s}.blocks.{b}" for s, n in ((0, 3), (1, 3), (2, 9), (3, 3)) for b in range(n)
-                         if (s, b) != (0, 0)], "background"),  # fmt: skip
+    "convnext": (
+        18,
+        5,
+        [
+            f"net.stages.{s}.blocks.{b}"
+            for s, n in ((0, 3), (1, 3), (2, 9), (3, 3))
+            for b in range(n)
+            if (s, b) != (0, 0)
+        ],
+        "background",
+    ),  # fmt: skip
     # each stage alternates plain and shifted windows: the third stage's 6 blocks are 2 graphs; the two blocks of
     # each other stage (the last's window covers its whole resolution: no shift, but it keeps its target shift) are
     # structures no other block shares
     "swin": (12, 8, SWIN_STAGE_2, "background"),
     # each stage opens with a block of its own (stride, channels); the repeats of stages 3, 4 and 5 are 3 graphs;
     # 10.5% of the weights lie outside the blocks (head convolution, classifier): compiled around them
-    "efficientnet": (16, 12, ["net.blocks.3.1", "net.blocks.3.2", "net.blocks.4.1", "net.blocks.4.2",
-                              "net.blocks.5.1", "net.blocks.5.2", "net.blocks.5.3"], "outer"),  # fmt: skip
+    "efficientnet": (
+        16,
+        12,
+        [
+            "net.blocks.3.1",
+            "net.blocks.3.2",
+            "net.blocks.4.1",
+            "net.blocks.4.2",
+            "net.blocks.5.1",
+            "net.blocks.5.2",
+            "net.blocks.5.3",
+        ],
+        "outer",
+    ),  # fmt: skip
     # each stage opens with a downsampling block; its others are one graph per stage
-    "resnet": (16, 8, [f"net.layer{s}.{b}" for s, n in ((1, 3), (2, 4), (3, 6), (4, 3)) for b in range(1, n)],
-               "background"),  # fmt: skip
+    "resnet": (
+        16,
+        8,
+        [f"net.layer{s}.{b}" for s, n in ((1, 3), (2, 4), (3, 6), (4, 3)) for b in range(1, n)],
+        "background",
+    ),  # fmt: skip
     "vit": (6, 2, [f"net.blocks.{b}" for b in range(1, 6)], "background"),  # block 0: no drop path
 }
 WHOLE_ON_A_CPU = {"swin", "efficientnet", "resnet"}  # every structure at the first step: too few blocks per graph

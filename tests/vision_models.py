@@ -67,8 +67,6 @@ class Classifier(pl.LightningModule):
 def images(family: str) -> DataLoader:
     """``BATCHES`` distinct ``(images, labels)`` batches, the same on every call."""
     generator, side = torch.Generator().manual_seed(0), FAMILIES[family][2]
-    data = [
-        (torch.randn(BATCH, 3, side, side, generator=generator), torch.randint(0, CLASSES, (BATCH,), generator=generator))
-        for _ in range(BATCHES)
-    ]
+    pictures = [torch.randn(BATCH, 3, side, side, generator=generator) for _ in range(BATCHES)]
+    data = [(x, torch.randint(0, CLASSES, (BATCH,), generator=generator)) for x in pictures]
     return DataLoader(data, batch_size=None)
