@@ -54,6 +54,8 @@ DISTINCT_BATCHES = 16  # cycled through (64 x 3 x 224² in fp32: 38.5 MB each)
 WHOLE = ("reduce_overhead", "full")  # the whole-model compiles: the ratios' base is the faster one
 SUMMARY_RATES = ("steady_images_per_s", "steady_samples_per_s", "steady_items_per_s")  # the first there is read
 LAYOUT_OPS = ("aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy")
+# kernels that move a tensor to another layout: cuDNN's NCHW <-> NHWC transforms, Inductor's clones and copies
+LAYOUT_KERNELS = ("nchwtonhwc", "nhwctonchw", "clone", "copy", "transpose", "permute")
 COLUMNS = [
     "model", "variant", "first_step_s", "step_ms", "images_per_s", "steps_per_s", "first_step_vs_full",
     "throughput_vs_full", "summary_first_step_s", "summary_steps_per_s", "summary_images_per_s", "summary_vs_own",
@@ -91,6 +93,18 @@ class UntilSteady(pl.Callback):
             trainer.should_stop = True
 
 
+def variant_policy(variant: str, backend: Dict[str, str]) -> Any:
+    """``common.variant_policy``'s ``name@key=value@...``, where a key may also be one of the policy's own settings
+    (``regional@regional_min_reuse=4.5``)."""
+    from compile_trainer.schema import CompilePolicy
+
+    name, *pairs = variant.split("@")
+    fields = CompilePolicy.__dataclass_fields__
+    settings = {k: float(v) for k, v in (pair.split("=", 1) for pair in pairs) if k in fields}
+    rules = [pair for pair in pairs if pair.split("=", 1)[0] not in fields]
+    return common.variant_policy("@".join([name, *rules]), **backend, **settings)
+
+
 def fit(args: argparse.Namespace, steady: int, profile: bool = False) -> Dict[str, Any]:
     """One fit of the model under the variant: the benchmark's clock, the callback and the profiler's result."""
     device, backend = common.device_for(args.smoke), {"backend": "aot_eager"} if args.smoke else {}
@@ -103,7 +117,7 @@ def fit(args: argparse.Namespace, steady: int, profile: bool = False) -> Dict[st
 
         module.net = compile_regions(net, **backend)
     else:
-        callback = CompileCallback(common.variant_policy(args.variant, **backend), print_plan=False)
+        callback = CompileCallback(variant_policy(args.variant, backend), print_plan=False)
     clock, until = StepClock(device), UntilSteady(callback, steady)
     profiler = StepProfiler(until, device, args.profile_steps) if profile else None
     callbacks = [clock, until, *([callback] if callback else []), *([profiler] if profiler else [])]
@@ -203,20 +217,29 @@ def profile_report(profile: Any, steps: int, top: int) -> Dict[str, Any]:
     rows = [dict(name=a.key[:90], calls=a.count // steps, ms=own(a) / 1e3 / steps) for a in ranked]
     layout = [a for a in averages if a.key in LAYOUT_OPS]
     layout_ms = sum(a.device_time_total if on_device else a.cpu_time_total for a in layout) / 1e3 / steps
+    kernels = [a for a in averages if on_device and not a.key.startswith(("aten::", "cuda")) and own(a) > 0]
+    moving = sorted((a for a in kernels if any(w in a.key.lower() for w in LAYOUT_KERNELS)), key=own, reverse=True)
+    moved = [dict(name=a.key[:90], calls=a.count // steps, ms=own(a) / 1e3 / steps) for a in moving]
     regions = [a for a in averages if a.key.startswith(("Torch-Compiled Region", "CompiledFunction"))]
     launches = sum(a.count for a in averages if a.key == "cudaGraphLaunch") // steps
     busy, span = _kernel_time(profile)
     report = dict(top=rows, layout_ms=layout_ms, layout_calls=sum(a.count for a in layout) // steps)
+    report |= dict(layout_kernels=moved[:top], layout_kernels_ms=sum(row["ms"] for row in moved))
     report |= dict(compiled_calls=sum(a.count for a in regions) // steps, cuda_graph_launches=launches)
-    report |= dict(kernels_ms=busy / 1e3 / steps, step_ms=span / 1e3 / steps, gpu_idle_ms=(span - busy) / 1e3 / steps)
+    per_step = [value / 1e3 / steps if span else None for value in (busy, span, span - busy)]
+    report |= dict(zip(("kernels_ms", "step_ms", "gpu_idle_ms"), per_step))
     lines = [f"{'op or kernel':<90} {'calls':>6} {'ms/step':>8}"]
     lines += [f"{row['name']:<90} {row['calls']:>6} {row['ms']:>8.3f}" for row in rows]
+    timeline = "no GPU kernels" if not span else (
+        f"{report['step_ms']:.2f} ms from the first kernel to the last, {report['kernels_ms']:.2f} ms in kernels, "
+        f"{report['gpu_idle_ms']:.2f} ms idle between them"
+    )  # fmt: skip
     lines.append(
-        f"per step: {report['step_ms']:.2f} ms from the first kernel to the last, {report['kernels_ms']:.2f} ms in "
-        f"kernels, {report['gpu_idle_ms']:.2f} ms idle between them; {report['compiled_calls']} compiled-region calls, "
-        f"{launches} CUDA-graph launches; layout conversions ({', '.join(LAYOUT_OPS)}): {report['layout_calls']} "
-        f"calls, {layout_ms:.2f} ms"
+        f"per step: {timeline}; {report['compiled_calls']} compiled-region calls, {launches} CUDA-graph launches; "
+        f"layout conversions ({', '.join(LAYOUT_OPS)}): {report['layout_calls']} calls, {layout_ms:.2f} ms; "
+        f"kernels that move layouts ({', '.join(LAYOUT_KERNELS)} in their names): {report['layout_kernels_ms']:.2f} ms"
     )
+    lines += [f"  {row['name']:<88} {row['calls']:>6} {row['ms']:>8.3f}" for row in moved[:10]]
     return report | {"text": "\n".join(lines)}
 
 

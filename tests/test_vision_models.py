@@ -99,20 +99,20 @@ def test_the_plan_compiles_the_shared_block_structures_at_the_first_step(family)
 
 def fit(family, drop_path, compiled, steps=BATCHES):
     """``steps`` steps of ``family``; ``compiled``: under ``regional`` through the GPU's gate for background compiles,
-    the install after step 1. Returns (module, callback or None)."""
+    the install after step 2. Returns (module, callback or None)."""
     pl.seed_everything(0)
     module = Classifier(family, drop_path=drop_path)
     callbacks = []
     if compiled:
         callback = CompileCallback("regional", backend="aot_eager", telemetry={"measure_flops": False})
-        callbacks = [callback, WaitForBackground(callback, 1)]
+        callbacks = [callback, WaitForBackground(callback, 2)]
     quiet_cpu_trainer(max_steps=steps, callbacks=callbacks).fit(module, images(family))
     return module, (callbacks[0] if compiled else None)
 
 
 def assert_compiled_as_planned(callback, family):
     summary = callback.summary()
-    assert callback.background.installed and summary["background_eager_steps"] == 1
+    assert callback.background.installed and summary["background_eager_steps"] == 2
     assert (summary["recompiles"], summary["recompile_limit_hits"]) == (0, 0), callback.telemetry.compile.events
     assert summary["graph_breaks"] == 0, "only the breaks the plan declares"
     blocks, structures, first_step, _ = PLANS[family]
@@ -140,10 +140,10 @@ def test_regional_trains_like_eager_and_its_state_dicts_load_both_ways(family, m
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("family", PLANS)
+@pytest.mark.parametrize("family", [family for family in PLANS if family != "resnet"])  # ResNet-50: no drop path
 def test_drop_path_trains_compiled_without_recompiles(family, monkeypatch):
     """As the recipes train them: each block's drop path draws, the blocks sharing a graph pass their rates to it."""
     monkeypatch.setattr(regions, "_may_compile_rest_in_background", lambda policy, device: True)
-    module, callback = fit(family, drop_path=True, compiled=True, steps=3)
+    module, callback = fit(family, drop_path=True, compiled=True)
     assert_compiled_as_planned(callback, family)
-    assert all(torch.isfinite(loss) for loss in module.losses) and len(module.losses) == 3
+    assert all(torch.isfinite(loss) for loss in module.losses) and len(module.losses) == BATCHES
