@@ -321,7 +321,7 @@ def test_the_readme_has_one_ci_test_command():
     # .ci/torch_versions.sh's torch 2.14.1 environment, which has torchvision)
     assert lines[0].endswith('-m "not benchmarks and not distributed and not vision"'), lines
     assert 'python -m pytest -q -n 2 -m "benchmarks or distributed"' in (ROOT / ".ci" / "run").read_text()
-    assert '-m vision' in (ROOT / ".ci" / "torch_versions.sh").read_text()
+    assert "-m vision" in (ROOT / ".ci" / "torch_versions.sh").read_text()
 
 
 def test_the_readme_lists_every_bundled_policy():

@@ -123,7 +123,8 @@ def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
     rule = [{"name": "*", "action": "regional", "rest": "outer"}]
     plan = plan_for(root, rule)
     assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "full")]  # Wrapper's head
-    assert any("4 blocks in 4 structures (1.0 per graph), below regional_min_reuse 3: compiled whole" in note for note in plan.notes)
+    whole = "4 blocks in 4 structures (1.0 per graph), below regional_min_reuse 3: compiled whole"
+    assert any(whole in note for note in plan.notes)
     plan = plan_for(root, rule, regional_min_reuse=0)
     assert [r.role for r in plan.regions].count("block") == 4
     same = Wrapper(Stages([8, 8, 8]))  # two blocks of one structure: one block graph is never more work
