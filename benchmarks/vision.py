@@ -56,6 +56,7 @@ SUMMARY_RATES = ("steady_images_per_s", "steady_samples_per_s", "steady_items_pe
 LAYOUT_OPS = ("aten::copy_", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy")
 # kernels that move a tensor to another layout: cuDNN's NCHW <-> NHWC transforms, Inductor's clones and copies
 LAYOUT_KERNELS = ("nchwtonhwc", "nhwctonchw", "clone", "copy", "transpose", "permute")
+ANNOTATIONS = ("Torch-Compiled Region", "CompiledFunction", "ProfilerStep", "##", "aten::", "autograd::", "Optimizer")
 COLUMNS = [
     "model", "variant", "first_step_s", "step_ms", "images_per_s", "steps_per_s", "first_step_vs_full",
     "throughput_vs_full", "summary_first_step_s", "summary_steps_per_s", "summary_images_per_s", "summary_vs_own",
@@ -213,13 +214,13 @@ def profile_report(profile: Any, steps: int, top: int) -> Dict[str, Any]:
     averages = profile.key_averages()
     on_device = any(getattr(a, "self_device_time_total", 0) for a in averages)
     own = (lambda a: a.self_device_time_total) if on_device else (lambda a: a.self_cpu_time_total)
-    ranked = sorted(averages, key=own, reverse=True)[:top]
-    rows = [dict(name=a.key[:90], calls=a.count // steps, ms=own(a) / 1e3 / steps) for a in ranked]
+    # on a GPU the kernels (and copies) alone: an op's or an annotation's device time is its kernels' again
+    kernels = [a for a in averages if own(a) > 0 and (not on_device or _is_kernel(a))]
+    rows = _per_step(sorted(kernels, key=own, reverse=True)[:top], own, steps)
     layout = [a for a in averages if a.key in LAYOUT_OPS]
     layout_ms = sum(a.device_time_total if on_device else a.cpu_time_total for a in layout) / 1e3 / steps
-    kernels = [a for a in averages if on_device and not a.key.startswith(("aten::", "cuda")) and own(a) > 0]
-    moving = sorted((a for a in kernels if any(w in a.key.lower() for w in LAYOUT_KERNELS)), key=own, reverse=True)
-    moved = [dict(name=a.key[:90], calls=a.count // steps, ms=own(a) / 1e3 / steps) for a in moving]
+    moving = [a for a in kernels if on_device and any(word in a.key.lower() for word in LAYOUT_KERNELS)]
+    moved = _per_step(sorted(moving, key=own, reverse=True), own, steps)
     regions = [a for a in averages if a.key.startswith(("Torch-Compiled Region", "CompiledFunction"))]
     launches = sum(a.count for a in averages if a.key == "cudaGraphLaunch") // steps
     busy, span = _kernel_time(profile)
@@ -243,12 +244,20 @@ def profile_report(profile: Any, steps: int, top: int) -> Dict[str, Any]:
     return report | {"text": "\n".join(lines)}
 
 
+def _is_kernel(average: Any) -> bool:
+    return str(getattr(average, "device_type", "")).endswith("CUDA") and not average.key.startswith(ANNOTATIONS)
+
+
+def _per_step(averages: List[Any], own: Any, steps: int) -> List[Dict[str, Any]]:
+    return [dict(name=a.key[:90], calls=a.count // steps, ms=own(a) / 1e3 / steps) for a in averages]
+
+
 def _kernel_time(profile: Any) -> tuple:
     """(µs the device ran kernels, µs from the first kernel's start to the last's end); (0, 0) without a GPU."""
     spans = sorted(
         (e.time_range.start, e.time_range.end)
         for e in profile.events()
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+        if _is_kernel(e) and e.time_range.end > e.time_range.start
     )
     busy, reached = 0.0, None
     for start, end in spans:
@@ -299,7 +308,7 @@ BENCHMARK = common.Benchmark(
     options={
         "--models": dict(default=",".join(MODELS)),
         "--variants": dict(default="regional,reduce_overhead,compile_regions"),
-        "--steady": dict(type=int, default=100, help="steps timed once the compiled regions are in use"),
+        "--steady": dict(type=int, default=200, help="steps timed once the compiled regions are in use"),
         "--max-steps": dict(type=int, default=3000, help="steps at most (a background install comes first)"),
         "--profile": dict(default="", help="MODEL:VARIANT,...: profile steady steps of each instead"),
         "--profile-steps": dict(type=int, default=3, help="steps recorded by --profile"),

@@ -26,8 +26,8 @@ def test_vision_smoke_measures_the_policies_and_profiles_a_steady_step(tmp_path)
     assert whole["throughput_vs_full"] == 1 and whole["first_step_vs_full"] == 1
     assert regional["throughput_vs_full"] == regional["images_per_s"] / whole["images_per_s"]
     # on a CPU nothing compiles in the background: the 6 blocks' 2 structures (block 0 has no drop path) at the first
-    # step; the light parts around them eager
-    assert regional["plan"] == "6 blocks in 2 entries (2 at the first step), 0 rest (0 in the background), 0 outer"
+    # step; the tiny ViT's 1000-class head holds more than 10% of its weights: compiled around the blocks
+    assert regional["plan"] == "6 blocks in 2 entries (2 at the first step), 0 rest (0 in the background), 1 outer"
     assert regional["background_eager_steps"] is None and whole["plan"] == "full"
     profile = rows["regional (profile)"]["profile"]
     assert profile["top"] and all(entry["ms"] >= 0 for entry in profile["top"])
