@@ -49,7 +49,8 @@ LONG_FILES = (
 # 1,555 s there depending on the machine's load (2026-11-27). And timm's vision models as their recipes train them
 # (the vision benchmark's smoke mode with them), which need timm, and timm torchvision: PyPI's torchvision does not
 # import beside the CPU torch 2.13, so CI runs them in .ci/torch_versions.sh's torch 2.14.1 environment. A tier's test
-# is marked by the first tier whose pattern its file or name matches (vision before benchmarks).
+# is marked by the first tier whose pattern its file or name matches (vision before benchmarks). The vision files import
+# timm inside their tests, not at collection: the README's suite collects every file before it deselects a tier.
 TIERS = {
     "vision": ("test_vision_*.py",),
     "benchmarks": ("*_benchmark.py", "test_benchmark_harness.py",

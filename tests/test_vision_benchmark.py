@@ -5,12 +5,12 @@ benchmark's clock, and ``--profile``'s report of one steady step. The tier ``vis
 import gzip
 import json
 
-import timm  # noqa: F401  (a missing timm fails the tier, it does not skip it)
-
 from tests.benchmark_smoke import run_without_config_packages
 
 
 def test_vision_smoke_measures_the_policies_and_profiles_a_steady_step(tmp_path):
+    import timm  # noqa: F401  (a missing timm fails the test, it does not skip it; not at collection: see conftest)
+
     out = tmp_path / "vision.json"
     script = ["benchmarks/vision.py", "--smoke", "--models", "vit_base_patch16_224", "--variants"]
     script += ["regional,reduce_overhead", "--profile", "vit_base_patch16_224:regional", "--out", str(out)]

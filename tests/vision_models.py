@@ -1,12 +1,12 @@
 """timm's vision families as their training recipes build them (their usual stochastic depth), at tiny widths and
 image sizes for the CPU, random weights (``pretrained=False``: nothing downloaded), inside a plain LightningModule fed
 ``(images, labels)`` tuples. Used by tests/test_vision_models.py (the tier ``vision``: timm is needed, and a
-missing timm fails these tests rather than skipping them)."""
+missing timm fails these tests rather than skipping them). timm is imported when a model is built, not with this
+module: the README's suite, which leaves the tier out, still collects its files, where timm may not import."""
 
 from typing import Any, Dict, List, Tuple
 
 import lightning.pytorch as pl
-import timm
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -34,6 +34,8 @@ BATCH, BATCHES = 4, 4
 
 
 def build(family: str) -> nn.Module:
+    import timm  # a missing timm (or torchvision, which it imports) fails the test that builds a model
+
     name, kwargs, _ = FAMILIES[family]
     return timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs)
 
