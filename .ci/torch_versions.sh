@@ -13,6 +13,10 @@
 #
 # From PyPI these are CUDA builds (torch 2.9.1: a 900 MB wheel and about 3 GB of nvidia-* wheels); they run on
 # the CPU. Each environment's install and test times are printed.
+#
+# The newest environment also holds torchvision and timm (timm without its dependencies: torchvision, pyyaml,
+# huggingface_hub and safetensors are there) and runs the tier `vision` (tests/conftest.py: TIERS) there: timm imports
+# torchvision, and PyPI's torchvision does not import beside the CPU torch 2.13 of the README's suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 oldest=$(python - <<'EOF'
@@ -27,12 +31,17 @@ tests=(tests/test_compat.py tests/test_real_models.py tests/test_bucket_warmup.p
   tests/test_rest_background.py tests/test_fit_telemetry.py tests/test_thread_guards.py tests/test_telemetry.py
   tests/test_background.py)
 stage=${1:-all}
+vision_torch=2.14.1  # the environment that runs the vision tier, with the torchvision built for it
+vision_packages=(torchvision==0.29.1)
+vision_tests=(tests/test_vision_models.py tests/test_vision_benchmark.py)
 
 install() {
   local version=$1 venv=$2 started=$SECONDS
   rm -rf "$venv"
   python -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --no-compile "torch==$version"
+  local extras=()
+  [[ $version == "$vision_torch" ]] && extras=("${vision_packages[@]}")
+  "$venv/bin/python" -m pip install -q --no-compile "torch==$version" "${extras[@]}"
   # the project's dependencies and dev extras, read from pyproject.toml (its own extra spelled out)
   "$venv/bin/python" - <<'EOF' > "$venv/requirements.txt"
 import tomllib
@@ -42,6 +51,9 @@ for requirement in project["dependencies"] + extras["dev"]:
     print("\n".join(extras["remote-cache"]) if requirement == "compile_trainer[remote-cache]" else requirement)
 EOF
   "$venv/bin/python" -m pip install -q --no-compile -r "$venv/requirements.txt"
+  if [[ $version == "$vision_torch" ]]; then
+    "$venv/bin/python" -m pip install -q --no-compile --no-deps timm
+  fi
   echo "torch $version: installed in $((SECONDS - started)) s"
 }
 
@@ -69,6 +81,14 @@ if [[ $stage != install ]]; then
     "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider "${tests[@]}" || rc=$?
     echo "torch $version: tested in $((SECONDS - started)) s, pytest exit $rc"
     [[ $rc == 0 ]] || status=$rc
+    if [[ $version == "$vision_torch" ]]; then
+      started=$SECONDS
+      echo "+ torch $version, the vision tier: ${vision_tests[*]}"
+      rc=0
+      "$venv/bin/python" -m pytest -q -n 2 -p no:cacheprovider -m vision "${vision_tests[@]}" || rc=$?
+      echo "torch $version, vision: tested in $((SECONDS - started)) s, pytest exit $rc"
+      [[ $rc == 0 ]] || status=$rc
+    fi
   done
 fi
 exit $status

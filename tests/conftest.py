@@ -42,11 +42,17 @@ LONG_FILES = (
 )  # fmt: skip
 
 
-# Two tiers of their own, which the README's library suite leaves out (``-m "not benchmarks and not distributed"``)
-# and CI runs after it (``-m "benchmarks or distributed"``): the GPU benchmark scripts' tests (their CPU smoke modes,
-# the harness they share) and the tests that start several processes over gloo (DDP, FSDP2). Together about half of
-# the whole suite's time on 2 cores, which took 709 s to 1,555 s there depending on the machine's load (2026-11-27).
+# Three tiers of their own, which the README's library suite leaves out
+# (``-m "not benchmarks and not distributed and not vision"``): the GPU benchmark scripts' tests (their CPU smoke
+# modes, the harness they share) and the tests that start several processes over gloo (DDP, FSDP2), which CI runs after
+# it (``-m "benchmarks or distributed"``); together about half of the whole suite's time on 2 cores, which took 709 s to
+# 1,555 s there depending on the machine's load (2026-11-27). And timm's vision models as their recipes train them
+# (the vision benchmark's smoke mode with them), which need timm, and timm torchvision: PyPI's torchvision does not
+# import beside the CPU torch 2.13, so CI runs them in .ci/torch_versions.sh's torch 2.14.1 environment. A tier's test
+# is marked by the first tier whose pattern its file or name matches (vision before benchmarks). The vision files import
+# timm inside their tests, not at collection: the README's suite collects every file before it deselects a tier.
 TIERS = {
+    "vision": ("test_vision_*.py",),
     "benchmarks": ("*_benchmark.py", "test_benchmark_harness.py",
                    "test_optimizer.py::test_benchmark_smoke_runs_without_config_packages"),
     "distributed": ("test_distributed.py", "test_distributed_cache.py", "test_distributed_telemetry.py",
@@ -65,6 +71,7 @@ def tier_of(item: pytest.Item) -> Optional[str]:
 def pytest_configure(config):
     config.addinivalue_line("markers", "benchmarks: a test of a GPU benchmark script (its CPU smoke mode)")
     config.addinivalue_line("markers", "distributed: a test that starts several processes (DDP, FSDP2 over gloo)")
+    config.addinivalue_line("markers", "vision: timm's vision models (needs timm and torchvision)")
 
 
 def pytest_collection_modifyitems(items):

@@ -193,7 +193,7 @@ PLANS = {
     "swin": [  # the window shift that splits each stage's blocks, named
         "note: model.swin.encoder.layers (ModuleList): 2 SwinStage children in 2 distinct structures (1.0 per graph); "
         "the stacks inside them (model.swin.encoder.layers.0.blocks, model.swin.encoder.layers.1.blocks): 8 blocks in "
-        "4 structures (2.0 per graph; blocks of one layout in a stack split by shift_size (0, 2)): below "
+        "4 structures (2.0 per graph); blocks of one layout in a stack split by shift_size (0, 2): below "
         "regional_min_reuse 3, the children are the blocks",
     ],
     "hf_resnet": [
@@ -201,8 +201,8 @@ PLANS = {
         "graph); the stacks inside them (model.resnet.encoder.stages.0.layers, model.resnet.encoder.stages.1.layers, "
         "model.resnet.encoder.stages.2.layers and 1 more): 8 blocks in 7 structures (1.1 per graph): below "
         "regional_min_reuse 3, the children are the blocks",
-        "note: model (ResNetForImageClassification): 4 blocks in 4 distinct structures, 1.0 per compiled graph "
-        "(regional_min_reuse 3): compiled whole",
+        "note: model (ResNetForImageClassification): 4 blocks in 4 structures (1.0 per graph), below "
+        "regional_min_reuse 3: compiled whole",
     ],
 }
 

@@ -123,7 +123,8 @@ def test_blocks_of_many_structures_are_compiled_whole_unless_asked_otherwise():
     rule = [{"name": "*", "action": "regional", "rest": "outer"}]
     plan = plan_for(root, rule)
     assert [(r.name, r.role) for r in plan.regions] == [("model", "full"), ("head", "full")]  # Wrapper's head
-    assert any("4 blocks in 4 distinct structures, 1.0 per compiled graph" in note for note in plan.notes)
+    whole = "4 blocks in 4 structures (1.0 per graph), below regional_min_reuse 3: compiled whole"
+    assert any(whole in note for note in plan.notes)
     plan = plan_for(root, rule, regional_min_reuse=0)
     assert [r.role for r in plan.regions].count("block") == 4
     same = Wrapper(Stages([8, 8, 8]))  # two blocks of one structure: one block graph is never more work
@@ -170,3 +171,58 @@ def test_blocks_inside_stages_that_differ_are_found_at_that_depth():
     # a stage without blocks of its own: its compute would be rest, so the stages stay the blocks
     plan = plan_for(Wrapper(Staged([3, 3, 6], stem_blocks=False)), [{"name": "model", "action": "regional"}])
     assert [(r.name, r.role) for r in plan.regions] == [("model", "full")]
+
+
+class Lin(nn.Module):
+    def __init__(self, inputs, outputs):
+        super().__init__()
+        self.linear = nn.Linear(inputs, outputs)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class InvertedResidualStages(nn.Module):
+    """An EfficientNet's layout: a Sequential of stages, each opening with a block of other widths, the first and the
+    last stage a single block; most of the weights in the head (rest: auto takes outer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        stages = [(4, 4, 1), (4, 8, 4), (8, 16, 4), (16, 16, 1)]
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(Lin(a, b), *[Lin(b, b) for _ in range(n - 1)]) for a, b, n in stages]
+        )
+        self.head = nn.Linear(16, 1000)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+def test_shared_structures_compile_at_the_first_step_and_the_others_on_the_thread():
+    """10 blocks in 5 structures, 2 of them shared (stage 2's repeats; stage 3's with the last stage's block): with the
+    blocks no other block shares on the background thread (a GPU's rest: auto, or rest: background), 2 graphs at the
+    first step stand for the 10 blocks; without the thread all 5 compile then (2.0 blocks per graph, below
+    regional_min_reuse): the stages stay the blocks, and the model is compiled whole. A stage of one block is a stack
+    of it; a Sequential whose stages all break is the one break of the outer region."""
+    root = nn.ModuleDict({"model": InvertedResidualStages()})
+    plan = resolve_plan(root, to_policy("regional"), background_rest=True)
+    blocks = [r for r in plan.regions if r.role == "block"]
+    assert len(blocks) == 10 and len({r.structure for r in blocks}) == 5
+    deferred = ["model.blocks.0.0", "model.blocks.1.0", "model.blocks.2.0"]
+    assert [r.name for r in blocks if r.background] == deferred
+    assert [r.breaks for r in plan.regions if r.role == "outer"] == [["model.blocks"]]
+    notes = "\n".join(plan.notes)
+    assert "10 blocks in 5 structures, 2 of them shared: 2 graphs at the first step (5.0 blocks per graph)" in notes
+    assert "model.blocks.0.0, model.blocks.1.0, model.blocks.2.0 (Lin): a structure no other block shares" in notes
+    rest_background = {"name": "*", "action": "regional", "rest": "background"}
+    explicit = resolve_plan(root, to_policy("regional", rules=[rest_background]))
+    assert [r.name for r in explicit.regions if r.role == "block" and r.background] == deferred
+    assert "eager until then (rest: background; 10 blocks in 5 structures" in "\n".join(explicit.notes)
+    on_a_cpu = resolve_plan(root, to_policy("regional"))
+    assert [(r.name, r.role) for r in on_a_cpu.regions] == [("model", "full")]
+    notes = "\n".join(on_a_cpu.notes)
+    assert "10 blocks in 5 structures (2.0 per graph): below regional_min_reuse 3, the children are the blocks" in notes
+    assert (
+        "model (InvertedResidualStages): 4 blocks in 4 structures (1.0 per graph), below regional_min_reuse 3" in notes
+    )

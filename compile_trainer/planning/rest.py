@@ -3,13 +3,12 @@ compile, outer, background, or ``auto``, which picks one by the share of weights
 
 from __future__ import annotations
 
-import collections
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
 from compile_trainer.planning.plan import CompilePlan, Region, is_inside
-from compile_trainer.planning.structure import join_name, listed
+from compile_trainer.planning.structure import join_name
 from compile_trainer.schema import CompileSettings
 
 
@@ -26,7 +25,9 @@ def _rest_roots(name: str, module: nn.Module, containers: List[str]) -> List[Tup
     return roots
 
 
-def inner_parts_in_background(asked: str, breaks: Optional[List[str]], plan: CompilePlan) -> bool:
+def inner_parts_in_background(
+    asked: str, breaks: Optional[List[str]], modules: Dict[str, nn.Module], containers: List[str], plan: CompilePlan
+) -> bool:
     """Whether ``rest: auto``'s outer road compiles the parts inside its breaks (the eager stacks around the blocks:
     embeddings, final norms, rotary tables) on the background thread rather than at the first step, which then
     compiles the blocks and the code around the stacks only. Each such part is a small graph with a compiler's fixed
@@ -34,32 +35,14 @@ def inner_parts_in_background(asked: str, breaks: Optional[List[str]], plan: Com
     for the few steps until the install costs next to nothing)."""
     if asked != "auto" or not breaks or not plan.background_rest:
         return False
+    parts = [part for b in breaks for _, part in _rest_roots(b, modules[b], containers) if has_state(part)]
+    if not parts:  # the breaks hold the blocks alone (an EfficientNet's stages)
+        return False
     plan.notes.append(
         f"the parts with weights inside {', '.join(breaks)} (run eagerly around the blocks) compiled as their own "
         "regions on a background thread after the first step; eager until then (rest: auto)"
     )
     return True
-
-
-def unrepeated_blocks_in_background(
-    asked: str, modules: Dict[str, nn.Module], keys: Dict[str, str], plan: CompilePlan
-) -> List[str]:
-    """The blocks whose structure no other block shares (T5's first block of each stack, the only one holding the
-    relative position bias), where ``rest: auto`` may compile in the background and other blocks do share a graph.
-    Such a block repeats nothing, like the rest: its graph costs the first step a compile of its own that no other
-    block reuses (T5-base on an H100: two of the four block structures), so it compiles on the background thread
-    after the first step, which then compiles only the shared structures; eager until the install."""
-    sharing = collections.Counter(keys.values())
-    if asked != "auto" or not plan.background_rest or max(sharing.values()) < 2:
-        return []
-    unrepeated = [b for b, key in keys.items() if sharing[key] == 1]
-    if unrepeated:
-        classes = "/".join(sorted({type(modules[b]).__name__ for b in unrepeated}))
-        plan.notes.append(
-            f"{listed(unrepeated)} ({classes}): a structure no other block shares, so a graph of its own that nothing "
-            "reuses: compiled on a background thread after the first step, eager until then (rest: auto)"
-        )
-    return unrepeated
 
 
 def auto_rest(
@@ -181,7 +164,8 @@ def rest_regions(
 
 def outer_breaks(name: str, modules: Dict[str, nn.Module], containers: List[str]) -> Optional[List[str]]:
     """Where a module compiled around its block stacks must break: at a ``Sequential`` stack (one call), else
-    at the module that loops over a ``ModuleList`` stack. None when that module is ``name`` itself."""
+    at the module that loops over a ``ModuleList`` stack; at a ``Sequential`` whose children all break (an
+    EfficientNet's stages: one break, not one per stage in its loop). None when that module is ``name`` itself."""
     breaks = []
     for container in containers:
         parent = container.rsplit(".", 1)[0] if "." in container else ""
@@ -191,7 +175,18 @@ def outer_breaks(name: str, modules: Dict[str, nn.Module], containers: List[str]
             breaks.append(parent)
         else:
             return None
-    return sorted(set(breaks))
+    return _whole_sequentials(name, modules, sorted(set(breaks)))
+
+
+def _whole_sequentials(name: str, modules: Dict[str, nn.Module], breaks: List[str]) -> List[str]:
+    """``breaks`` with the children of a ``Sequential`` inside ``name`` that all break replaced by it, repeatedly."""
+    parents = {b.rsplit(".", 1)[0] for b in breaks if "." in b}
+    for parent in sorted(p for p in parents if is_inside(p, name) and isinstance(modules[p], nn.Sequential)):
+        children = [join_name(parent, child) for child, _ in modules[parent].named_children()]
+        if all(child in breaks for child in children):
+            kept = [b for b in breaks if not is_inside(b, parent)]
+            return _whole_sequentials(name, modules, sorted([*kept, parent]))
+    return breaks
 
 
 def has_state(module: nn.Module) -> bool:

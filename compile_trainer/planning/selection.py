@@ -19,8 +19,8 @@ from compile_trainer.planning.rest import (
     inner_parts_in_background,
     outer_breaks,
     rest_regions,
-    unrepeated_blocks_in_background,
 )
+from compile_trainer.planning.reuse import FirstStep, deferred_note, defers_unshared, unshared_blocks, whole_note
 from compile_trainer.planning.rules import nearest_matches, rule_matches, skips_weightless
 from compile_trainer.planning.stacks import find_block_stacks
 from compile_trainer.planning.structure import BlockGroups, Trial, group_blocks, listed
@@ -37,7 +37,8 @@ def _expand_rule(
         return [(name, None)]
     if rule.action == "full":
         return [(name, Region(name, module, settings, index, "full"))]
-    stacks = find_block_stacks(module, name, policy.regional_min_reuse, plan.notes)
+    deferred = defers_unshared(rule.rest, plan.background_rest)
+    stacks = find_block_stacks(module, name, policy.regional_min_reuse, plan.notes, deferred)
     if not stacks:
         return _without_blocks(index, name, module, settings, plan)
     if rule.rest == "nested":
@@ -47,14 +48,9 @@ def _expand_rule(
     block_names = [b for _, names in stacks for b in names]
     relative = [(relative_name(c, name), [relative_name(b, name) for b in bs]) for c, bs in stacks]
     structure = group_blocks(module, relative, prefix=name, above=above, trial=trial)
-    reuse, min_reuse = structure.reuse, policy.regional_min_reuse
-    if len(structure.groups) > 1 and reuse < min_reuse:  # one structure: one block graph, never more work
-        plan.notes.append(
-            f"{name} ({type(module).__name__}): {len(block_names)} blocks in {len(structure.groups)} distinct "
-            f"structures, {reuse:.1f} per compiled graph (regional_min_reuse {min_reuse:g}): compiled whole, which "
-            "compiles about as fast as that many graphs and runs without breaks; regional_min_reuse: 0 compiles "
-            "the blocks regionally"
-        )
+    step = FirstStep.of(structure, deferred)
+    if not step.pays(policy.regional_min_reuse):
+        plan.notes.append(whole_note(name, module, step, policy.regional_min_reuse))
         return [(name, Region(name, module, settings, index, "full"))]  # its structures' notes would not apply
     plan.notes.extend(structure.notes)
     plan.training_without_cache.update(structure.cache_builders)
@@ -74,10 +70,10 @@ def _expand_rule(
     if breaks:
         items.append((name, Region(name, module, settings, index, "outer", breaks=breaks)))
         items += [(b, None) for b in breaks]
-    items += _block_regions(index, rule, name, modules, block_names, settings, structure, plan)
+    items += _block_regions(index, rule, name, modules, block_names, settings, structure, plan, step)
     if rest in ("compile", "background", "outer"):
         roots = [(name, module)] if not breaks else [(b, modules[b]) for b in breaks]
-        background = rest == "background" or inner_parts_in_background(rule.rest, breaks, plan)
+        background = rest == "background" or inner_parts_in_background(rule.rest, breaks, modules, containers, plan)
         for root_name, root in roots:
             items += rest_regions(root_name, root, containers, settings, index, background)
     return items
@@ -85,14 +81,17 @@ def _expand_rule(
 
 def _block_regions(
     index: int, rule: Rule, name: str, modules: Dict[str, nn.Module], block_names: List[str],
-    settings: CompileSettings, structure: BlockGroups, plan: CompilePlan,
+    settings: CompileSettings, structure: BlockGroups, plan: CompilePlan, step: FirstStep,
 ) -> List[Tuple[str, Optional[Region]]]:  # fmt: skip
-    """A region per block of a regional rule's stacks, keyed by its structure, with its per-block values."""
+    """A region per block of a regional rule's stacks, keyed by its structure, with its per-block values; the blocks
+    no other block shares a structure with compile in the background where ``step`` defers them."""
     keys = {b: structure.keys[relative_name(b, name)] for b in block_names}
-    unrepeated = unrepeated_blocks_in_background(rule.rest, modules, keys, plan)
+    deferred = unshared_blocks(keys) if step.deferred else []
+    if deferred:
+        plan.notes.append(deferred_note(step, deferred, modules, rule.rest))
     items: List[Tuple[str, Optional[Region]]] = []
     for b in block_names:
-        block = Region(b, modules[b], settings, index, "block", structure=keys[b], background=b in unrepeated)
+        block = Region(b, modules[b], settings, index, "block", structure=keys[b], background=b in deferred)
         block.shared_floats = list(structure.shared_floats.get(keys[b], []))
         block.indices = list(structure.indices.get(keys[b], []))
         items.append((b, block))

@@ -7,6 +7,7 @@ from typing import List, Tuple
 from torch import nn
 
 from compile_trainer.planning.plan import relative_name
+from compile_trainer.planning.reuse import FirstStep
 from compile_trainer.planning.structure import BlockGroups, Stack, describe_splits, group_blocks, join_name, listed
 
 BLOCK_CONTAINERS = (nn.ModuleList, nn.Sequential)
@@ -32,48 +33,60 @@ def find_repeated_blocks(module: nn.Module, prefix: str = "") -> List[Tuple[str,
     return found
 
 
-def find_block_stacks(module: nn.Module, name: str, min_reuse: float, notes: List[str]) -> List[Stack]:
+def find_block_stacks(
+    module: nn.Module, name: str, min_reuse: float, notes: List[str], deferred: bool = False
+) -> List[Stack]:
     """The block stacks a regional rule compiles under ``module`` (named ``name``), at whatever depth they sit.
 
     A stack whose children differ in structure (a CNN's stages, the towers of a model) is not the end of the
-    search: where every child holds stacks of its own, and their blocks are reused more (blocks per distinct
-    structure) and at least ``min_reuse`` times, those are taken instead; ``notes`` says which level and why. A
-    stack whose children share one structure is kept (one graph holds all of it).
+    search: where every child holds stacks of its own (or is a container of one block: an EfficientNet's first
+    and last stages), and their blocks are reused more (blocks per graph compiled at the first step,
+    ``planning.reuse``; ``deferred``: the blocks no other block shares a structure with compile after it) and at
+    least ``min_reuse`` times, those are taken instead; ``notes`` says which level and why. A stack whose children
+    share one structure is kept (one graph holds all of it).
     """
     stacks: List[Stack] = []
     for container, blocks in find_repeated_blocks(module, name):
-        stacks += _stack_level(module, name, container, blocks, min_reuse, notes)
+        stacks += _stack_level(module, name, container, blocks, min_reuse, notes, deferred)
     return stacks
 
 
 def _stack_level(
-    module: nn.Module, name: str, container: str, blocks: List[str], min_reuse: float, notes: List[str]
-) -> List[Stack]:
+    module: nn.Module, name: str, container: str, blocks: List[str], min_reuse: float, notes: List[str],
+    deferred: bool,
+) -> List[Stack]:  # fmt: skip
     here = _grouped(module, name, [(container, blocks)])
     if len(here.groups) == 1:
         return [(container, blocks)]
     deeper: List[Stack] = []
     inner_notes: List[str] = []
     for block in blocks:
-        found = find_block_stacks(module.get_submodule(relative_name(block, name)), block, min_reuse, inner_notes)
+        child = module.get_submodule(relative_name(block, name))
+        found = find_block_stacks(child, block, min_reuse, inner_notes, deferred) or _single_block(child, block)
         if not found:
             return [(container, blocks)]  # a child without blocks of its own: its compute would be left as rest
         deeper += found
     inside = _grouped(module, name, deeper)
+    here_step, inside_step = FirstStep.of(here, deferred), FirstStep.of(inside, deferred)
     kind = type(module.get_submodule(relative_name(container, name))).__name__
     measured = (
         f"{container} ({kind}): {len(blocks)} {_classes(module, name, blocks)} children in {len(here.groups)} "
-        f"distinct structures ({here.reuse:.1f} per graph); the stacks inside them "
-        f"({listed([c for c, _ in deeper])}): {len(inside.keys)} blocks in {len(inside.groups)} structures "
-        f"({inside.reuse:.1f} per graph{_split_by(inside)})"
+        f"distinct structures ({here_step.reuse:.1f} per graph); the stacks inside them "
+        f"({listed([c for c, _ in deeper])}): {inside_step.describe()}{_split_by(inside)}"
     )
-    if inside.reuse > here.reuse and inside.reuse >= min_reuse:
+    if inside_step.reuse > here_step.reuse and inside_step.pays(min_reuse):
         notes.extend(inner_notes)
         notes.append(f"{measured}: compiled at that depth, the children's other parts as the rest")
         return deeper
-    why = "no more reuse" if inside.reuse <= here.reuse else f"below regional_min_reuse {min_reuse:g}"
+    why = "no more reuse" if inside_step.reuse <= here_step.reuse else f"below regional_min_reuse {min_reuse:g}"
     notes.append(f"{measured}: {why}, the children are the blocks")
     return [(container, blocks)]
+
+
+def _single_block(child: nn.Module, name: str) -> List[Stack]:
+    """A container holding one block (an EfficientNet stage of one block) as a stack of that block; else none."""
+    inner = list(child.named_children())
+    return [(name, [join_name(name, inner[0][0])])] if isinstance(child, BLOCK_CONTAINERS) and len(inner) == 1 else []
 
 
 def _split_by(groups: BlockGroups) -> str:

@@ -103,9 +103,11 @@ class CompilePolicy(CompileSettings):
     # Dynamo's per-frame recompile limit; past it a frame silently runs eagerly.
     recompile_limit: int = 8
     # A regional rule compiles a matched module whole instead (as ``full``) when its repeated blocks come in
-    # several structures and average fewer than this many blocks per structure (ResNet-50: 16 blocks, 8
-    # structures): compiling that many graphs takes about as long as the whole model, and the breaks between
-    # them cost throughput. 0 compiles the blocks regionally whatever their reuse.
+    # several structures and average fewer than this many blocks per graph compiled at the first step (every
+    # structure's, or the shared ones' where the others compile on the background thread: ``planning.reuse``;
+    # ResNet-50 with all 8 of its structures at the first step: 2.0): compiling that many graphs takes about as long
+    # as the whole model, and the breaks between them cost throughput. 0 compiles the blocks regionally whatever
+    # their reuse.
     regional_min_reuse: float = 3.0
     # ``rest: auto`` compiles a matched module whole around its blocks (``outer``) when at least this share of
     # its parameters and buffers (by element count) lies outside the blocks, else leaves the code around them
