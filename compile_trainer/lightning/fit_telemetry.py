@@ -24,6 +24,7 @@ from compile_trainer import compat
 from compile_trainer.compiling.regions import AppliedPolicy
 from compile_trainer.lightning.no_telemetry import NoTelemetry
 from compile_trainer.schema import SettingsError, TelemetryConfig
+from compile_trainer.tables import plural
 from compile_trainer.telemetry.compile_events import EVENT_COLUMNS, CompileTelemetry
 from compile_trainer.telemetry.compile_report import format_compile_report
 from compile_trainer.telemetry.flops import StepFlopCount, step_signature
@@ -329,9 +330,9 @@ class FitTelemetry:
     def format_summary(self, summary: Dict[str, Any]) -> str:
         lines = [format_compile_report(self.compile), *format_throughput(summary)]
         lines.append(
-            f"  compile time {summary['compile_time_s']:,.2f} s, {summary['recompiles']} recompiles "
-            f"(and {summary['grad_mode_variants']} grad-mode variants, expected), "
-            f"{summary['graph_breaks']} graph breaks, {summary['unique_graphs']} graphs"
+            f"  compile time {summary['compile_time_s']:,.2f} s, {plural(summary['recompiles'], 'recompile')} "
+            f"(and {plural(summary['grad_mode_variants'], 'grad-mode variant')}, expected), "
+            f"{plural(summary['graph_breaks'], 'graph break')}, {plural(summary['unique_graphs'], 'graph')}"
         )
         if summary.get("padding_overhead") is not None:
             expected = summary.get("expected_padding_overhead")
@@ -341,7 +342,8 @@ class FitTelemetry:
                 + (f" (expected {expected:.1%})" if expected is not None else "")
             )
         if summary["cudagraph_skips"]:
-            lines.append(f"  {summary['cudagraph_skips']} graph(s) run without the CUDA graphs asked for (see above)")
+            skipped = plural(summary["cudagraph_skips"], "graph")
+            lines.append(f"  {skipped} run without the CUDA graphs asked for (see above)")
         return "\n".join(lines)
 
 
