@@ -175,8 +175,8 @@ class LanguageModel(pl.LightningModule):
 
         from compile_trainer import CompileCallback
 
-        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
-            return
+        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return  # load_from_checkpoint also calls it, with no trainer
         policies = [c.policy for c in self.trainer.callbacks if isinstance(c, CompileCallback)]
         policy = policies[0] if policies and policies[0].compiles_modules else None
         hparams = self.hparams

@@ -8,6 +8,7 @@ rule's other parts ``planning.rest``.
 
 from __future__ import annotations
 
+import re
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
@@ -50,8 +51,11 @@ def _expand_rule(
     structure = group_blocks(module, relative, prefix=name, above=above, trial=trial)
     step = FirstStep.of(structure, deferred)
     if not step.pays(policy.regional_min_reuse):
+        # a value the compiler specializes still explains why; the structures' entries no longer apply
+        specialized = [note for note in structure.notes if "which the compiler specializes" in note]
+        plan.notes.extend(re.sub(r": \d+ compiled entries, one per value$", "", note) for note in specialized)
         plan.notes.append(whole_note(name, module, step, policy.regional_min_reuse))
-        return [(name, Region(name, module, settings, index, "full"))]  # its structures' notes would not apply
+        return [(name, Region(name, module, settings, index, "full"))]
     plan.notes.extend(structure.notes)
     plan.training_without_cache.update(structure.cache_builders)
     plan.notes.extend(structure.cache_notes)
