@@ -153,7 +153,7 @@ ENTRIES = [
     Entry(
         "GRAD_MODE_GUARD",
         _probe_grad_mode_guard,
-        reaches=("torch._dynamo.guards.GuardBuilder.GLOBAL_STATE",),
+        reaches=("torch._C._dynamo.guards.GlobalStateGuard",),
         checked=("2.9.1", "2.13"),
     ),
     Entry(
