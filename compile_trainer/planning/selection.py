@@ -8,7 +8,6 @@ rule's other parts ``planning.rest``.
 
 from __future__ import annotations
 
-import re
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
@@ -51,9 +50,7 @@ def _expand_rule(
     structure = group_blocks(module, relative, prefix=name, above=above, trial=trial)
     step = FirstStep.of(structure, deferred)
     if not step.pays(policy.regional_min_reuse):
-        # a value the compiler specializes still explains why; the structures' entries no longer apply
-        specialized = [note for note in structure.notes if "which the compiler specializes" in note]
-        plan.notes.extend(re.sub(r": \d+ compiled entries, one per value$", "", note) for note in specialized)
+        plan.notes.extend(structure.specialized_notes)  # still why; the structures' entries no longer apply
         plan.notes.append(whole_note(name, module, step, policy.regional_min_reuse))
         return [(name, Region(name, module, settings, index, "full"))]
     plan.notes.extend(structure.notes)

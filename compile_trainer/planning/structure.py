@@ -125,6 +125,8 @@ class BlockGroups:
     # whose config builds one
     cache_builders: Dict[str, str] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    # of ``notes``, why blocks differ in a value the compiler specializes (still true of a module compiled whole)
+    specialized_notes: List[str] = field(default_factory=list)
     # what running ``cache_builders``' training forwards without a KV cache does (true only if the blocks stay
     # regional: a module compiled whole keeps its config's cache)
     cache_notes: List[str] = field(default_factory=list)
@@ -177,7 +179,9 @@ def group_blocks(
         # block -> (the module deciding use_cache, the decoder whose config builds a KV cache) for indexed blocks
         caches = {name: cache_builder(root, name, prefix, above) for name in names if index_of[name]}
         caches = {name: builder for name, builder in caches.items() if builder is not None}
-        tried = _tried(trial, blocks, result.keys, index_of, prefix, set(caches)) if trial is not None else []
+        tried, specialized = [], []
+        if trial is not None:
+            tried, specialized = _tried(trial, blocks, result.keys, index_of, prefix, set(caches))
         # blocks whose index the trial found specialized are no longer indexed: no cache note, no builder
         builders = dict(caches[name] for name in names if index_of[name] and name in caches)
         result.cache_builders.update(builders)
@@ -189,6 +193,7 @@ def group_blocks(
                 result.shared_floats[key] = floats
         if notes:
             result.notes += tried + _notes(cls, names, blocks, result, index_of, splits_of[cls], prefix)
+            result.specialized_notes += specialized
             result.cache_notes += _cache_notes(cls, names, index_of, builders)
     for splits in splits_of.values():
         for path, values in splits.items():
@@ -203,12 +208,12 @@ def _tried(
     index_of: Dict[str, List[str]],
     prefix: str,
     cache_addressed: Set[str],
-) -> List[str]:
+) -> Tuple[List[str], List[str]]:
     """Trace one block of each group whose blocks differ in floats or an index; where the compiler specializes one
-    of them, give each value a key of its own (in ``keys``) and take it out of ``index_of``. Returns the notes: none
-    for a trace that failed where the blocks differ only in the index of a KV cache (``cache_addressed``: the cache
-    note explains it)."""
-    notes = []
+    of them, give each value a key of its own (in ``keys``) and take it out of ``index_of``. Returns the notes (none
+    for a trace that failed where the blocks differ only in the index of a KV cache, ``cache_addressed``: the cache
+    note explains it) and, for the values specialized, why the blocks differ without the entries it makes."""
+    notes, specialized = [], []
     for key, members in _members(keys, list(blocks)).items():
         floats, indices = _differing_floats([blocks[name] for name in members]), index_of[members[0]]
         if len(members) < 2 or not (floats or indices):
@@ -231,11 +236,13 @@ def _tried(
             index_of[name] = [path for path in index_of[name] if path not in pinned]
         path, guard = next(iter(pinned.items()))
         entries = len({keys[name] for name in members})
-        notes.append(
+        why = (
             f"{len(members)} {cls} differ in {', '.join(pinned)}, which the compiler specializes (a trial trace "
-            f"of one block before training guards on {path}: {guard}): {entries} compiled entries, one per value"
+            f"of one block before training guards on {path}: {guard})"
         )
-    return notes
+        notes.append(f"{why}: {entries} compiled entries, one per value")
+        specialized.append(why)
+    return notes, specialized
 
 
 def _members(keys: Dict[str, str], names: Sequence[str]) -> Dict[str, List[str]]:
