@@ -204,22 +204,10 @@ LENGTH = 16
 def test_tokens_samples_and_mfu_of_a_drop_in_hf_model_need_no_configuration(tmp_path):
     """Tokens/s (real ones by the attention mask, and with padding), samples/s and MFU of a drop-in LightningModule
     with HF batches: in the summary, the W&B series and the printed table. Only the CPU's peak is given (MFU)."""
-    from lightning.pytorch.loggers import WandbLogger
-
     from compile_trainer.runs.wandb_offline import read_offline_run
 
     callback = CompileCallback("regional", backend="eager", telemetry={"peak_tflops": 1e-3, "log_every_n_steps": 2})
-    trainer = pl.Trainer(
-        max_steps=8,
-        logger=WandbLogger(save_dir=tmp_path, offline=True),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        callbacks=[callback],
-    )
-    trainer.fit(DropInLlama())
-    trainer.logger.experiment.finish()
+    fit_logged_to_wandb(DropInLlama(), callback, 8, tmp_path)
     summary = callback.summary()
 
     real, positions = BATCH * LENGTH - 5, BATCH * LENGTH
@@ -255,22 +243,10 @@ def test_tokens_samples_and_mfu_of_a_drop_in_hf_model_need_no_configuration(tmp_
 def test_an_image_batch_reports_images_per_second_and_no_unit_it_does_not_have(tmp_path):
     """An image batch ``(pixels, classes)``: images/s in the summary, the W&B series and the printed table; items are
     the images; no tokens/s, and nothing printed for a unit the batch does not have."""
-    from lightning.pytorch.loggers import WandbLogger
-
     from compile_trainer.runs.wandb_offline import read_offline_run
 
     callback = CompileCallback("regional", backend="eager", telemetry={"print_summary": False, "log_every_n_steps": 2})
-    trainer = pl.Trainer(
-        max_steps=6,
-        logger=WandbLogger(save_dir=tmp_path, offline=True),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        callbacks=[callback],
-    )
-    trainer.fit(ImageClassifier())
-    trainer.logger.experiment.finish()
+    fit_logged_to_wandb(ImageClassifier(), callback, 6, tmp_path)
     summary = callback.summary()
     images_per_s = BATCH / summary["steady_step_time_s"]
     assert summary["steady_images_per_s"] == pytest.approx(images_per_s) == summary["steady_samples_per_s"]
@@ -429,3 +405,20 @@ def test_the_median_steady_step_is_the_middle_steady_step_and_leaves_the_outlier
     summary = meter.summary()
     assert summary["steady_step_time_median_s"] == pytest.approx(0.020), "the compile step is not a steady step"
     assert summary["steady_step_time_s"] == pytest.approx((0.010 + 0.030 + 0.5 + 0.020 + 0.012) / 5)
+
+
+def fit_logged_to_wandb(module: pl.LightningModule, callback, steps: int, tmp_path) -> None:
+    """A CPU fit of ``steps`` logged to an offline W&B run under ``tmp_path``, the run finished."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    trainer = pl.Trainer(
+        max_steps=steps,
+        logger=WandbLogger(save_dir=tmp_path, offline=True),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        callbacks=[callback],
+    )
+    trainer.fit(module)
+    trainer.logger.experiment.finish()
