@@ -220,3 +220,61 @@ def test_probe_link_and_fsdp2_units_in_a_2_process_gloo_group(tmp_path):
         "forward_prefetch": 1,
         "assumed": False,
     }
+
+
+ONE_RANK_CANNOT_PROBE = r"""
+import json, os, sys
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from compile_trainer import CompileCallback
+from compile_trainer.lightning import strategies
+
+if os.environ.get("LOCAL_RANK") == "1":  # a fault on rank 1 alone, while it prepares the probe
+    def cannot_read_the_model(*args, **kwargs):
+        raise RuntimeError("rank 1 cannot read the model")
+    strategies.model_shape = cannot_read_the_model
+
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+callback = CompileCallback("full", backend="eager", print_plan=False)
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, callbacks=[callback])
+trainer.fit(Regression())
+with open(f"{sys.argv[1]}.rank{trainer.global_rank}", "w") as file:
+    json.dump({"link": callback.link is not None, "steps": trainer.global_step}, file)
+"""
+
+
+def test_probe_link_skipped_on_every_rank_when_one_cannot_prepare_it_gloo_group(tmp_path):
+    """A rank that fails before the probe's collectives makes every rank skip them, with a warning on each: none
+    waits alone in a collective, and the fit goes on."""
+    script = tmp_path / "fit.py"
+    script.write_text(ONE_RANK_CANNOT_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = [json.loads((tmp_path / f"out.rank{rank}").read_text()) for rank in (0, 1)]
+    assert results == [{"link": False, "steps": 2}] * 2
+    output = run.stdout + run.stderr
+    assert "rank 1: link probe skipped (RuntimeError: rank 1 cannot read the model)" in output
+    assert "link probe skipped (another rank could not prepare it: its log says why)" in output

@@ -146,6 +146,7 @@ def refuse_before_launch(strategy: Any, policy: CompilePolicy) -> None:
         raise PolicyError(OPTIMIZER_UNDER_FSDP2.format(value=policy.optimizer.compile))
 
 
+SKIPPED = "link probe skipped ({why}); telemetry.link_probe=false turns it off"
 PROBE_MAX_BYTES = {"cuda": 256 * 2**20, "cpu": 4 * 2**20}  # larger messages take the rate of the largest probed
 
 
@@ -165,7 +166,8 @@ def model_shape(trainer: Any, pl_module: Any, kind: str) -> ModelShape:
 def link_plan(trainer: Any, pl_module: Any, kind: str) -> Optional[LinkPlan]:
     """On several ranks: the link probed at the message sizes a step moves under ``kind`` and under the settings
     it is compared with (a collective of a few sizes: well under a second on a GPU), the GPU topology, and the
-    step's communication (``LinkPlan``). None on one process; a failure is a warning, never the run's end."""
+    step's communication (``LinkPlan``). None on one process; a failure is a warning, never the run's end, and a
+    rank that cannot probe makes every rank skip it (they agree first, so none waits in a collective alone)."""
     if kind == "single" or trainer.world_size < 2:
         return None
     try:
@@ -175,9 +177,18 @@ def link_plan(trainer: Any, pl_module: Any, kind: str) -> Optional[LinkPlan]:
             steps += [ddp_step(shape), fsdp2_step(shape, replace(shape.fsdp2, param_dtype="bfloat16"))]
         device = pl_module.device
         requests = probe_requests(steps, PROBE_MAX_BYTES.get(device.type, PROBE_MAX_BYTES["cpu"]))
+        problem = None
+    except Exception as error:
+        problem = error
+        log.warning(f"rank {trainer.global_rank}: {SKIPPED.format(why=f'{type(error).__name__}: {error}')}")
+    if not trainer.strategy.reduce_boolean_decision(problem is None, all=True):
+        if problem is None:
+            rank_zero_warn(SKIPPED.format(why="another rank could not prepare it: its log says why"))
+        return None
+    try:
         probe = probe_link(requests, device, warmup=1, iterations=3)
         topology = gpu_topology() if device.type == "cuda" and trainer.is_global_zero else None
         return LinkPlan(kind, shape, probe, topology["summary"] if topology else None)
     except Exception as error:  # what the plan says informs; it never stops a run
-        rank_zero_warn(f"link probe skipped ({type(error).__name__}: {error}); telemetry.link_probe=false turns it off")
+        rank_zero_warn(SKIPPED.format(why=f"{type(error).__name__}: {error}"))
         return None
