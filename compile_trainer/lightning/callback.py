@@ -29,7 +29,7 @@ from compile_trainer.lightning.no_telemetry import NoTelemetry
 from compile_trainer.lightning.strategies import (
     BACKGROUND_IN_FOREGROUND_UNDER_FSDP2,
     BUCKET_WARMUP_OFF_UNDER_FSDP2,
-    FSDP2_RECIPE,
+    adopted_policy,
     compiles_in_background,
     link_plan,
     strategy_kind,
@@ -111,7 +111,7 @@ class CompileCallback(pl.Callback):
             self.cache = CompileCache(self.policy.cache)
             self.cache.load(pl_module, self.policy, pl_module.device)
             self.telemetry.recorded_flops = self.cache.outcome.flops_record
-        self.applied = self._adopt_applied(pl_module)
+        self.applied = adopted_policy(pl_module, self.policy, self.strategy, self.applied_before_fit)
         if self.applied is None:
             self.applied = apply_policy(pl_module, self.policy, device=pl_module.device)
             self.applied.applied_by = "CompileCallback"
@@ -140,31 +140,6 @@ class CompileCallback(pl.Callback):
             logger.log_hyperparams(
                 {"compile_policy": policy_to_dict(self.policy), "compile_plan": plan_rows(self.applied)}
             )
-
-    def _adopt_applied(self, pl_module: pl.LightningModule) -> Optional[AppliedPolicy]:
-        """The policy applied in ``configure_model`` (FSDP2: blocks compiled before ``fully_shard``), or left applied
-        by an earlier fit with this policy, if any; under FSDP2 a policy that compiles modules must have been applied
-        in ``configure_model``."""
-        applied = getattr(pl_module, APPLIED_ATTR, None)
-        if applied is None:
-            if self.strategy == "fsdp2" and self.policy.compiles_modules:
-                raise PolicyError(f"policy {self.policy.name!r} was not applied before sharding: {FSDP2_RECIPE}")
-            return None
-        if policy_to_dict(applied.policy) == policy_to_dict(self.policy):
-            return applied
-        if applied is self.applied_before_fit:
-            earlier = applied.applied_by == "CompileCallback"
-            undo = "`earlier_callback.applied.remove()`" if earlier else "`.remove()` on what apply_policy returned"
-            raise PolicyError(
-                f"the model still carries compile policy {applied.policy.name!r}, applied before this fit began by "
-                f"{'the CompileCallback of an earlier fit' if earlier else 'apply_policy'}, but this CompileCallback "
-                f"holds {self.policy.name!r}; a model takes one policy at a time: undo the earlier one first with "
-                f"{undo}, or fit with the callback that applied it"
-            )
-        raise PolicyError(
-            f"configure_model applied policy {applied.policy.name!r}, but the CompileCallback holds "
-            f"{self.policy.name!r}: apply the callback's own policy (callback.policy) there"
-        )
 
     def _clip_in_optimizer_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The Trainer's ``gradient_clip_val`` clips inside the compiled steps, and Lightning's clipping is off

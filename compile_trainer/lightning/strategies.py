@@ -37,7 +37,8 @@ from lightning.pytorch.strategies import (
 )
 from lightning.pytorch.utilities import rank_zero_warn
 
-from compile_trainer.schema import CompilePolicy, PolicyError
+from compile_trainer.compiling.regions import APPLIED_ATTR, AppliedPolicy
+from compile_trainer.schema import CompilePolicy, PolicyError, policy_to_dict
 from compile_trainer.telemetry.communication import (
     DDP_BUCKET_BYTES,
     FSDP2_SETTINGS_ATTR,
@@ -99,6 +100,35 @@ BUCKET_WARMUP_OFF_UNDER_FSDP2 = (
     "that compiled, and an FSDP2 block can neither be copied nor traced with its parameters as its calls see them "
     "(sharded outside its forward, gathered inside)"
 )
+
+
+def adopted_policy(
+    module: Any, policy: CompilePolicy, kind: str, applied_before_fit: Optional[AppliedPolicy]
+) -> Optional[AppliedPolicy]:
+    """The policy on ``module`` a callback holding ``policy`` takes over: applied in ``configure_model`` (FSDP2:
+    blocks compiled before ``fully_shard``) or left by an earlier fit with this policy; None where none is applied.
+    Under FSDP2 a policy that compiles modules must have been applied in ``configure_model``; a different policy on
+    the module is refused, naming how to undo it (``applied_before_fit``: what was on it before this fit began)."""
+    applied = getattr(module, APPLIED_ATTR, None)
+    if applied is None:
+        if kind == "fsdp2" and policy.compiles_modules:
+            raise PolicyError(f"policy {policy.name!r} was not applied before sharding: {FSDP2_RECIPE}")
+        return None
+    if policy_to_dict(applied.policy) == policy_to_dict(policy):
+        return applied
+    if applied is applied_before_fit:
+        earlier = applied.applied_by == "CompileCallback"
+        undo = "`earlier_callback.applied.remove()`" if earlier else "`.remove()` on what apply_policy returned"
+        raise PolicyError(
+            f"the model still carries compile policy {applied.policy.name!r}, applied before this fit began by "
+            f"{'the CompileCallback of an earlier fit' if earlier else 'apply_policy'}, but this CompileCallback "
+            f"holds {policy.name!r}; a model takes one policy at a time: undo the earlier one first with "
+            f"{undo}, or fit with the callback that applied it"
+        )
+    raise PolicyError(
+        f"configure_model applied policy {applied.policy.name!r}, but the CompileCallback holds "
+        f"{policy.name!r}: apply the callback's own policy (callback.policy) there"
+    )
 
 
 def warms_up_buckets(kind: str) -> bool:
