@@ -66,6 +66,7 @@ def measured(batch, steps=3, **counters):
         ({"input_ids": IDS, "labels": IDS}, {}, "tokens", 64),
         ((PIXELS, LABELS), {"items_per_sample": 10}, "items", 40),
         ((PIXELS, LABELS), {"items_fn": lambda batch: batch[0].numel()}, "items", PIXELS.numel()),
+        ((PIXELS, LABELS), {"items_per_sample": 10, "items_name": "frames"}, "frames", 40),
     ],
 )
 def test_items_per_second_for_any_batch_in_the_unit_it_names(batch, counters, unit, per_step):
@@ -74,6 +75,8 @@ def test_items_per_second_for_any_batch_in_the_unit_it_names(batch, counters, un
     assert summary["steady_items_per_s"] == pytest.approx(per_step / summary["steady_step_time_s"])
     assert (summary["steady_images_per_s"] is not None) == is_image_batch(batch)
     assert (summary["steady_tokens_per_s"] is not None) == (unit == "tokens")
+    rates = format_throughput(summary)[2]
+    assert rates.count(f" {unit}/s") == 1, rates  # named once, where another count has not named it already
 
 
 def test_the_printed_rates_of_an_x_y_batch_name_samples_and_no_unit_it_lacks(tmp_path):

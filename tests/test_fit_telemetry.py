@@ -125,6 +125,7 @@ def test_no_telemetry_has_the_methods_of_fit_telemetry():
         ({"items_fn": "tests.telemetry_models:WIDTH"}, "is a int, not a function"),
         ({"items_per_sample": 0}, "must be positive"),
         ({"items_per_sample": 8, "items_fn": "tests.telemetry_models:items_in_batch"}, "not both"),
+        ({"items_per_sample": 8, "items_unit": "video frames"}, "items_unit must be a word such as tokens or frames"),
         ({"peak_tflop": 900}, r"'telemetry.peak_tflop' \(did you mean 'peak_tflops'\?\); valid keys of telemetry: .*"),
     ],
 )

@@ -11,17 +11,28 @@ from compile_trainer.runs.recorder import sweeper_value
 from compile_trainer.runs.report import build_report
 from compile_trainer.runs.report_plot import plot_report
 from compile_trainer.runs.report_tables import repeat_rows, report_text
-from compile_trainer.runs.results import write_result
+from compile_trainer.runs.results import objective_value, write_result
 from compile_trainer.schema import SettingsError, to_sweep_settings
 
 TOKENS_PER_STEP = 1000
 
 
 def write_run(
-    directory, job, policy, *, step=0.1, compile_s=0.0, compile_steps=0, loss=2.0, steps=100, cache=None, **extra
+    directory,
+    job,
+    policy,
+    *,
+    step=0.1,
+    compile_s=0.0,
+    compile_steps=0,
+    loss=2.0,
+    steps=100,
+    cache=None,
+    unit=None,
+    **extra,
 ):
     """A result file like train.py writes: ``steps`` steps, the compile steps taking ``compile_s`` more each;
-    ``cache``: the compile cache's summary keys."""
+    ``cache``: the compile cache's summary keys; ``unit``: what its throughput counts (the telemetry's)."""
     steady = steps - compile_steps
     result = {
         "status": "ok",
@@ -42,6 +53,7 @@ def write_run(
             "steady_items_per_s": TOKENS_PER_STEP / step,
             "peak_memory_bytes": 2**30,
             **(cache or {}),
+            **({"items_unit": unit} if unit else {}),
         },
         "final_train_loss": loss,
         "final_val_loss": loss,
@@ -208,3 +220,21 @@ def test_value_returned_to_the_sweeper():
 def test_bad_sweep_settings_are_named(settings, message):
     with pytest.raises(SettingsError, match=re.escape(message)):
         to_sweep_settings(settings)
+
+
+def test_train_time_counts_every_step_that_trained_the_eager_reference_steps_too():
+    summary = dict(compile_steps_time_s=4.0, warmup_steps_time_s=0.5, steady_step_time_s=0.1, steady_steps=20)
+    assert objective_value({"summary": summary}, "train_time") == pytest.approx(6.5)
+    with_reference = {"summary": summary | {"eager_steps": 5, "eager_steps_time_s": 1.5}}
+    assert objective_value(with_reference, "train_time") == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("units, named", [(["images", "images"], "images"), (["images", "tokens"], "items")])
+def test_the_report_names_the_unit_its_runs_count(tmp_path, units, named):
+    """A sweep of a vision model reports images/s; runs that count different things, items/s."""
+    for job, (policy, unit) in enumerate(zip(["none", "full"], units)):
+        write_run(tmp_path, job, policy, step=0.1 if policy == "none" else 0.05, unit=unit)
+    report = build_report(tmp_path)
+    text = report_text(report)
+    assert f"steady {named}/s" in text and "tokens/s" not in text.replace(f"{named}/s", "")
+    assert report.recommendation().startswith(f"Recommendation: full (best throughput: 20,000 {named}/s")

@@ -119,8 +119,9 @@ class FitTelemetry:
             log.info("peak FLOP/s of %s unknown: set telemetry.peak_tflops to get MFU", torch.cuda.get_device_name())
         if self.throughput is None:
             self.throughput = ThroughputMeter(
-                device, self.samples_fn, self.items_fn, self.config.items_per_sample, self._flops, peak, self.tokens_fn
-            )
+                device, self.samples_fn, self.items_fn, self.config.items_per_sample, self._flops, peak, self.tokens_fn,
+                self.config.items_unit,
+            )  # fmt: skip
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 

@@ -196,6 +196,13 @@ class Report:
             return f"Equal comparison: NO, {len(unequal)} run(s) differ (flagged below); the others: {described}."
         return f"Equal comparison: yes, every run with a result: {described}."
 
+    @property
+    def throughput_unit(self) -> str:
+        """What the runs' steady throughput counts (their telemetry's ``items_unit``: tokens, images, samples or
+        items of the user's own); ``items`` where runs count different things."""
+        units = {((run.result or {}).get("summary") or {}).get("items_unit") or "tokens" for run in self.runs}
+        return units.pop() if len(units) == 1 else "items"
+
     def environments(self) -> Dict[Tuple[str, str], List[str]]:
         """(device, versions) -> the runs that had them; runs that failed before making a Trainer have none."""
         seen: Dict[Tuple[str, str], List[str]] = {}
@@ -235,7 +242,7 @@ class Report:
         counted = sum(run.ok and not run.flags for run in runs)
         text = (
             f"Recommendation: {name} (best median {self.objective} over {counted} seeds: "
-            f"{_objective_text(self.objective, value)}"
+            f"{_objective_text(self.objective, value, self.throughput_unit)}"
         )
         speedup = median([self.speedup(run) for run in runs if run.ok and not run.flags])
         if speedup is not None and all(run.policy != "none" for run in runs):
@@ -252,7 +259,8 @@ class Report:
             return "Recommendation: no run finished without a flag; see the flags below."
         best = candidates[0]
         value = objective_value(best.result, self.objective)
-        text = f"Recommendation: {best.label} (best {self.objective}: {_objective_text(self.objective, value)}"
+        shown = _objective_text(self.objective, value, self.throughput_unit)
+        text = f"Recommendation: {best.label} (best {self.objective}: {shown}"
         speedup, payback = self.speedup(best), self.payback_steps(best)
         if best is self.baseline:
             text += "; no compiled policy beat eager"
@@ -314,9 +322,9 @@ def steps_text(value: Optional[float]) -> str:
     return "never" if math.isinf(value) else f"{math.ceil(value):,}"
 
 
-def _objective_text(name: str, value: float) -> str:
+def _objective_text(name: str, value: float, unit: str) -> str:
     if name == "throughput":
-        return f"{value:,.0f} tokens/s"
+        return f"{value:,.0f} {unit}/s"
     if name == "memory":
         return f"{value / 2**30:.2f} GiB"
     if name == "loss":

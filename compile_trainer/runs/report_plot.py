@@ -52,7 +52,7 @@ def plot_report(report: Report, path: Path) -> Path:
             va="bottom",
         )
     axes.set_xlabel("compile time (s)")
-    axes.set_ylabel("steady throughput (tokens/s)")
+    axes.set_ylabel(f"steady throughput ({report.throughput_unit}/s)")
     axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
     axes.margins(x=0.2, y=0.15)
     axes.set_xlim(left=0)

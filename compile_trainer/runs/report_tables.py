@@ -18,7 +18,7 @@ COLUMNS = (
     "compile s",
     "cache",
     "cold compile s",
-    "steady tokens/s",
+    "steady {unit}/s",
     "vs none",
     "pays off after",
     "recompiles",
@@ -28,16 +28,21 @@ COLUMNS = (
     "final loss",
     "loss vs none",
 )
-REPEAT_COLUMNS = ("setting", "runs ok", "compile s", "steady tokens/s", "spread", "vs none", "flagged runs")
+REPEAT_COLUMNS = ("setting", "runs ok", "compile s", "steady {unit}/s", "spread", "vs none", "flagged runs")
+
+
+def titles(columns: Iterable[str], report: Report) -> List[str]:
+    """Column titles with the unit the report's runs count (``Report.throughput_unit``)."""
+    return [column.format(unit=report.throughput_unit) for column in columns]
 
 
 def report_text(report: Report, plot: Optional[Path] = None) -> str:
     """The report as fixed-width text; ``plot``: where its plot was written, if it was."""
-    table = text_table(COLUMNS, run_rows(report))
+    table = text_table(titles(COLUMNS, report), run_rows(report))
     flags = flag_lines(report)
     parts = [*headline(report), "", *table, ""]
     if report.repeated:
-        parts += ["Over the seeds (medians):", *text_table(REPEAT_COLUMNS, repeat_rows(report)), ""]
+        parts += ["Over the seeds (medians):", *text_table(titles(REPEAT_COLUMNS, report), repeat_rows(report)), ""]
     parts.append(report.recommendation())
     if flags:
         parts += ["Flags:", *(f"  - {f}" for f in flags)]
@@ -52,10 +57,10 @@ def report_markdown(report: Report, plot: Optional[Path] = None) -> str:
     def cells(values: Iterable) -> str:
         return "| " + " | ".join(str(v).replace("|", "\\|") for v in values) + " |"
 
-    table = [cells(COLUMNS), cells("---" for _ in COLUMNS), *(cells(r) for r in run_rows(report))]
+    table = [cells(titles(COLUMNS, report)), cells("---" for _ in COLUMNS), *(cells(r) for r in run_rows(report))]
     parts = [*(f"- {line}" for line in headline(report)), "", *table, ""]
     if report.repeated:
-        repeats = [cells(REPEAT_COLUMNS), cells("---" for _ in REPEAT_COLUMNS)]
+        repeats = [cells(titles(REPEAT_COLUMNS, report)), cells("---" for _ in REPEAT_COLUMNS)]
         parts += ["Over the seeds (medians):", "", *repeats, *(cells(r) for r in repeat_rows(report)), ""]
     parts.append(report.recommendation())
     flags = flag_lines(report)
@@ -70,12 +75,13 @@ def headline(report: Report) -> List[str]:
     counts = {status: sum(run.status == status for run in report.runs) for status in ("ok", "failed", "no result")}
     names = sorted({str(((run.result or {}).get("sweep") or {}).get("name")) for run in report.runs} - {"None"})
     objective = OBJECTIVES[report.objective]
+    unit = f" ({report.throughput_unit}/s)" if report.objective == "throughput" else ""
     return [
         f"Sweep {', '.join(names) or '-'} in {report.directory}: {len(report.runs)} runs, {counts['ok']} ok, "
         f"{counts['failed']} failed, {counts['no result']} without a result",
         *environment_lines(report),
         report.equal_comparison(),
-        f"Ranked by {report.objective}: {objective.description}, "
+        f"Ranked by {report.objective}: {objective.description}{unit}, "
         f"{'higher' if objective.maximize else 'lower'} is better.",
     ]
 

@@ -21,6 +21,8 @@ class TelemetryConfig:
     # Items for items/s, in a unit of your own: a fixed number per sample, or a function of the batch; default: tokens.
     items_per_sample: Optional[int] = None
     items_fn: Optional[str] = None
+    # What those items are (tokens, frames, ...): the name the summary and the sweep report give them.
+    items_unit: str = "items"
     # Count the model FLOPs of the first training step while it runs, for TFLOP/s and MFU.
     measure_flops: bool = True
     # FLOPs of one step, instead of measuring them.
@@ -51,6 +53,8 @@ def telemetry_config_problems(config: TelemetryConfig) -> List[str]:
             f"telemetry.eager_reference_steps must be 0 (no eager reference) or at least {MIN_EAGER_REFERENCE_STEPS} "
             f"(the first pays one-off costs and is left out of the median), got {config.eager_reference_steps!r}"
         )
+    if not config.items_unit.isidentifier():
+        problems.append(f"telemetry.items_unit must be a word such as tokens or frames, got {config.items_unit!r}")
     if config.items_fn is not None and config.items_per_sample is not None:
         problems.append(
             f"give telemetry.items_fn or telemetry.items_per_sample, not both (items_fn {config.items_fn!r}, "

@@ -94,12 +94,14 @@ class ThroughputMeter:
         flops_per_step: Optional[float] = None,
         peak_flops: Optional[float] = None,
         tokens_fn: Optional[BatchCounter] = None,
+        items_name: str = "items",
     ) -> None:
         self.device = torch.device(device)
         self.samples_fn = samples_fn or default_samples
         self.tokens_fn = tokens_fn
         self.items_fn = items_fn
         self.items_per_sample = items_per_sample
+        self.items_name = items_name
         self.flops_per_step = flops_per_step
         self.peak_flops = peak_flops
         self._clock = CudaClock(self.device) if self.device.type == "cuda" else HostClock()
@@ -129,9 +131,9 @@ class ThroughputMeter:
 
     @property
     def items_unit(self) -> str:
-        """What items/s counts: ``items`` (a unit of your own), else ``tokens``, ``images`` or ``samples``."""
+        """What items/s counts: the unit of your own (``items_name``), else ``tokens``, ``images`` or ``samples``."""
         if self.items_fn is not None or self.items_per_sample is not None:
-            return "items"
+            return self.items_name
         return "tokens" if self.counts_tokens else "images" if self.counts_images else "samples"
 
     def step_start(self, batch: Any) -> None:
