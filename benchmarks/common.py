@@ -2,7 +2,8 @@
 its ratios and notes) and calls ``main``: each run in a fresh process with empty Inductor/Triton caches (``run_fresh``;
 ``worker`` in that process) or in this process with the compiler state reset, the result file (``write_result``)
 written after each run, the table (``print_table``) at the end. Also step timing (``StepTimer``,
-``first_warm_timed``). Importable without hydra, omegaconf or wandb (the GPU image has none).
+``first_warm_timed``). Importable without hydra, omegaconf or wandb (the GPU image has none); a run of a bundled
+policy reads its YAML file with omegaconf (``to_policy``), so install omegaconf there (with its antlr4 runtime).
 """
 
 import argparse

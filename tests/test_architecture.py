@@ -79,3 +79,26 @@ def test_python_requirement_is_what_the_code_and_the_linter_assume():
     packaged = set(project["tool"]["setuptools"]["packages"])
     folders = {f"compile_trainer.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     assert folders <= packaged, "every subpackage ships in the wheel"
+
+
+MAX_MODULE_LINES = 400  # a module a reader can hold in mind
+MAX_FUNCTION_LINES = 60  # in the layers whose functions decide (what to compile, how, when)
+SHORT_FUNCTION_LAYERS = ("compiling", "planning", "lightning")
+
+
+def test_rooms_stay_small():
+    """No module over ``MAX_MODULE_LINES``, no function of the deciding layers over ``MAX_FUNCTION_LINES``: split a
+    module by concern, a function into named steps, before either grows past them."""
+    long_modules, long_functions = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            long_modules.append(f"{name}: {source.count(chr(10))} lines")
+        if path.parent.name in SHORT_FUNCTION_LAYERS:
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        long_functions.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not long_modules and not long_functions, long_modules + long_functions

@@ -27,12 +27,42 @@ def run_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return result
 
 
-def test_train_regional_with_inductor_records_loss_in_wandb(tmp_path):
-    result = run_train(tmp_path, "compile=regional", "trainer.max_steps=6", "trainer.val_check_interval=3")
-    assert "compile policy 'regional'" in result.stdout + result.stderr
+NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
+QUICK_START_OUTPUT = "<!-- illustration: console output of the quick start"
+
+
+def line_pattern(line: str) -> re.Pattern:
+    """A printed line as the README shows it, with any numbers, any column widths, and, where it ends in ``...``
+    (abridged), anything after it."""
+    abridged = line.rstrip().endswith("...")
+    words = line.rstrip().removesuffix("...").split()
+
+    def word_pattern(word: str) -> str:
+        if set(word) == {"-"}:
+            return "-+"  # a table's rule, as wide as its column
+        return r"[\d,.]+".join(re.escape(part) for part in NUMBER.split(word))
+
+    return re.compile(r"^\s*" + r"\s+".join(map(word_pattern, words)) + (r".*$" if abridged else r"\s*$"), re.M)
+
+
+def quick_start_output_in_the_readme() -> list:
+    """The lines of the README's illustration of the quick start's output, but the ``...`` that abridge it."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index(QUICK_START_OUTPUT) :].split("```")[1]
+    return [line for line in block.splitlines()[1:] if line.strip() and line.strip() != "..."]
+
+
+def test_train_regional_with_inductor_records_loss_in_wandb_and_prints_what_the_readme_shows(tmp_path):
+    """The README's quick start (``compile=regional``, long enough for the eager reference steps) on a smaller GPT:
+    every line the README shows of its output is printed, but for numbers and column widths."""
+    result = run_train(tmp_path, "compile=regional", "trainer.max_steps=20", "trainer.val_check_interval=10")
+    output = result.stdout + result.stderr
+    assert "compile policy 'regional'" in output
+    missing = [line for line in quick_start_output_in_the_readme() if not line_pattern(line).search(output)]
+    assert not missing, f"README lines that the quick start does not print: {missing}\n{output[-4000:]}"
     run = read_offline_run(next((tmp_path / "wandb").glob("offline-run-*")))
     losses = run.series("train/loss")
-    assert len(losses) == 6 and all(0 < loss < 10 for loss in losses)
+    assert len(losses) == 20 and all(0 < loss < 10 for loss in losses)
     assert run.series("val/loss"), "validation loss is reported"
     assert run.config["config"]["compile"]["name"] == "regional"
     plan = {row["module"]: row for row in run.config["compile_plan"]}
