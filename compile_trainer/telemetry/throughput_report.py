@@ -59,7 +59,8 @@ def _rates_line(summary: Dict[str, Any]) -> str:
     ]
     tokens, padded = summary.get("steady_tokens_per_s"), summary.get("steady_padded_tokens_per_s")
     if tokens is not None:
-        rates.append(f"{tokens:,.0f} tokens/s" + (f" ({padded:,.0f} with padding)" if padded is not None else ""))
+        padding = padded is not None and round(padded) != round(tokens)  # else no padding to tell apart
+        rates.append(f"{tokens:,.0f} tokens/s" + (f" ({padded:,.0f} with padding)" if padding else ""))
     shown = {"images" if images is not None else "samples"} | ({"tokens"} if tokens is not None else set())
     unit = summary.get("items_unit")
     if unit and unit not in shown:  # a unit of the user's own, not one counted above
