@@ -36,7 +36,7 @@ LEGEND = (
     "grad-mode variants: a frame's first graph under another grad mode or requires_grad, expected",
     "graphs: the graphs compiled",
     "breaks: distinct graph breaks, the eager rules' declared ones left out",
-    "of it recompiles: the compile seconds the recompiles took",
+    "compile s (of it recompiles): seconds compiling (of them, those recompiling)",
 )
 CACHE_LEGEND = "cache hit/miss: lookups in torch's compile caches (Inductor's FX graphs, AOTAutograd)"
 LEGEND_WIDTH = 120
