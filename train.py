@@ -8,8 +8,6 @@ from omegaconf import DictConfig
 
 from compile_trainer.runs.hydra_configs import exit_on_bad_command_line, input_errors_exit, register_configs
 
-register_configs()
-
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
@@ -23,4 +21,5 @@ def main(cfg: DictConfig) -> float:
 
 if __name__ == "__main__":
     exit_on_bad_command_line(sys.argv[1:], Path(__file__).resolve().parent / "conf")
+    register_configs()  # after the command line's check: the Trainer's schema imports Lightning (seconds)
     main()

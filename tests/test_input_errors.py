@@ -77,3 +77,24 @@ def test_train_py_lists_the_policies_for_an_unknown_one_and_never_offers_schema(
     assert f"compile={choice}: " in output and "'custom'" not in output
     policies = output.split("; choices: ")[1].strip().split(", ")
     assert "regional" in policies and "schema" not in policies
+
+
+BAD_COMMAND_LINE = """
+import runpy, sys
+sys.argv = ["train.py", *sys.argv[1:]]
+try:
+    runpy.run_path("train.py", run_name="__main__")
+except SystemExit as done:
+    print(done.code, sorted(name for name in ("lightning", "wandb") if name in sys.modules))
+"""
+
+
+@pytest.mark.parametrize("override", ["compile=regionl", "compile.bakend=eager"])
+def test_a_bad_command_line_is_reported_before_lightning_is_imported(override):
+    """Lightning takes seconds to import: a typo's message comes first (the trainer's schema, which needs Lightning,
+    is made once the command line is checked, or where an override names a trainer key)."""
+    result = subprocess.run(
+        [sys.executable, "-c", BAD_COMMAND_LINE, override], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.stdout.split() == [str(INPUT_ERROR_STATUS), "[]"], result.stdout + result.stderr[-2000:]
+    assert "did you mean" in result.stderr

@@ -18,12 +18,13 @@ the sweep goes on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -48,6 +49,7 @@ INPUT_ERROR_STATUS = 2
 TRAINER_ARGS_SET_IN_CODE = ("self", "logger", "callbacks", "plugins", "profiler", "model_registry")
 
 
+@functools.cache
 def trainer_schema() -> type:
     """A dataclass with one field per ``Trainer`` argument and Lightning's own defaults."""
     import lightning.pytorch as pl  # here: a project composing the bundled policies need not import Lightning
@@ -78,9 +80,13 @@ def register_configs() -> None:
     store.store(name="sweep_schema", node=SweepSettings)
 
 
-def _schemas() -> Dict[str, type]:
-    """The config's typed sections: a key under one of them that its schema lacks fails Hydra's composition."""
-    return {"compile": CompilePolicy, "trainer": trainer_schema(), "telemetry": TelemetryConfig}
+# The config's typed sections: a key under one of them that its schema lacks fails Hydra's composition. The
+# trainer's is made when an override names it (it imports Lightning: seconds, before a typo's message).
+SCHEMAS: Dict[str, Callable[[], type]] = {
+    "compile": lambda: CompilePolicy,
+    "trainer": trainer_schema,
+    "telemetry": lambda: TelemetryConfig,
+}
 
 
 def unknown_override_keys(overrides: List[str], config_dirs: List[Path]) -> List[str]:
@@ -91,16 +97,17 @@ def unknown_override_keys(overrides: List[str], config_dirs: List[Path]) -> List
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    schemas, problems = _schemas(), []
+    problems = []
     for override in OverridesParser.create().parse_overrides(overrides):
         if override.is_delete():
             continue
         section, *path = override.key_or_group.split(".")
-        if section not in schemas:
+        if section not in SCHEMAS:
             continue
+        schema = SCHEMAS[section]()
         if path:
             value = None if override.is_sweep_override() else override.value()
-            problems += unknown_dotted_key(path, schemas[section], section, value)
+            problems += unknown_dotted_key(path, schema, section, value)
             continue
         choices = override.sweep_string_iterator() if override.is_sweep_override() else [override.value()]
         for choice in choices:  # a group choice: compile=my_policy is conf/compile/my_policy.yaml
@@ -108,7 +115,7 @@ def unknown_override_keys(overrides: List[str], config_dirs: List[Path]) -> List
             if found:
                 loaded = OmegaConf.to_container(OmegaConf.load(found[0]))
                 loaded.pop("defaults", None)
-                problems += [f"{found[0]}: {p}" for p in unknown_keys(loaded, schemas[section], section)]
+                problems += [f"{found[0]}: {p}" for p in unknown_keys(loaded, schema, section)]
     return problems
 
 
