@@ -8,7 +8,9 @@ Each row on N GPUs also measures the link in its own job, after training: all-re
 bus bandwidth at the message sizes its step moves, in bf16 and fp32 (``compile_trainer.telemetry.link``); from them
 its communication a step (``comm_mb``) and the time the link makes of it (``comm_ms``, of it ``serial_ms`` with
 nothing to overlap), and, from a profile of 3 steps on rank 0 (GPU), where the step's GPU time went
-(``gpu_timeline_ms_a_step``: busy kernels, NCCL's, the overlap, idle) and how far the step is from the link's limit
+(``gpu_timeline_ms_a_step``: busy kernels, NCCL's, the overlap, idle), where its host time went, from a profile of
+3 steps before (``host_ms_a_step``: wall, FSDP2's hooks, the ops with the most self time; on the CPU too), and how
+far the step is from the link's limit
 (``vs_limit``: the step against the larger of compute + the serial messages and the whole communication).
 ``--experiments`` adds ``collectives`` (ranks of different first lengths, ``distributed.consistent_dynamic_shapes``
 off and on) and ``cache`` (each strategy's ``regional`` row writes a bundle, a run with empty local caches loads
@@ -36,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common, models  # noqa: E402
+from benchmarks.host_profile import HOST_STEPS, HostProfiledSteps  # noqa: E402
 from compile_trainer import CompileCallback  # noqa: E402
 from compile_trainer.lightning.strategies import model_shape, strategy_kind  # noqa: E402
 from compile_trainer.telemetry.communication import LinkPlan, step_communication  # noqa: E402
@@ -115,10 +118,11 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     strategies = {"ddp": DDPStrategy, "fsdp2": lambda: ModelParallelStrategy(args.gpus, tensor_parallel_size=1)}
     strategy = strategies.get(args.strategy, lambda: "auto")()
     profiled = ProfiledSteps(args.steps - PROFILED_STEPS - 1, args.profile_dir) if on_gpu else None
+    host = HostProfiledSteps(args.steps - PROFILED_STEPS - 1 - HOST_STEPS)  # before the GPU's window
     link = LinkAtTrainEnd() if args.gpus > 1 else None
     trainer = common.quiet_trainer(
         torch.device("cuda" if on_gpu else "cpu"), devices=args.gpus, strategy=strategy,
-        max_steps=args.steps, callbacks=[callback, *filter(None, [profiled, link])],
+        max_steps=args.steps, callbacks=[callback, *filter(None, [profiled, host, link])],
         precision="bf16-mixed" if on_gpu else "32-true", use_distributed_sampler=False,
     )  # fmt: skip
     trainer.fit(module)
@@ -126,6 +130,7 @@ def measure(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     timeline = profiled.timeline if profiled else None
     if row is not None:
         row |= {"gpu_timeline_ms_a_step": timeline, "compute_ms": timeline["busy"] if timeline else None}
+        row |= {"host_ms_a_step": host.breakdown}
     if row is not None and link is not None:
         row |= link_columns(link.plan, row["compute_ms"])
     if torch.distributed.is_initialized():
@@ -403,7 +408,10 @@ BENCHMARK = common.Benchmark(
         "last bucket; FSDP2's root all-gather and reduce-scatter); compute_ms, rank 0's busy GPU time a step (from "
         "gpu_timeline_ms_a_step, a profile of 3 steps: busy, nccl, overlapped, exposed, idle, span in ms a step), "
         "else the one-device row's median step; limit_ms = max(compute_ms + serial_ms, comm_ms); vs_limit, the "
-        "slowest rank's median step over it; faster, the settings the link model names (telemetry.communication).",
+        "slowest rank's median step over it; faster, the settings the link model names (telemetry.communication). "
+        "host_ms_a_step, rank 0's host time a step over 3 steps before the GPU profile's (torch.profiler's CPU "
+        "events): wall, fsdp_hooks (FSDP2's FSDP:: ranges), top_self (the ops with the most self time; "
+        "PythonSubclass: DTensor's Python dispatch).",
         f"GPU topology (nvidia-smi topo -m): {getattr(args, 'topology', None) or 'not available'}.",
         "collectives: each rank's lengths cycle through 512/768/1024 from a different start; "
         "+collectives turns on distributed.consistent_dynamic_shapes.",

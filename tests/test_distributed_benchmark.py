@@ -64,6 +64,9 @@ def test_distributed_benchmark_smoke_runs_ddp_fsdp2_and_the_cache_on_1_and_2_pro
         assert row["comm_ms"] > 0 and 0 < row["serial_ms"] <= row["comm_ms"]
         # no profile on the CPU: the one-device row's step stands for compute
         assert row["gpu_timeline_ms_a_step"] is None and row["compute_ms"] is None
+        host = row["host_ms_a_step"]  # the host's time, profiled on the CPU too
+        assert host["wall"] > 0 and len(host["top_self"]) == 10 and all(ms >= 0 for ms in host["top_self"].values())
+        assert 0 < host["fsdp_hooks"] < host["wall"] if row is fsdp2 else host["fsdp_hooks"] == 0
         one = max(rows["scaling", "-", 1]["step_ms_median_by_rank"])
         assert row["limit_ms"] == pytest.approx(max(one + row["serial_ms"], row["comm_ms"]), abs=1e-3)
         assert row["vs_limit"] == pytest.approx(max(row["step_ms_median_by_rank"]) / row["limit_ms"])
