@@ -73,7 +73,7 @@ class MLP(pl.LightningModule):
         return DataLoader(TensorDataset(inputs, inputs.sum(1, keepdim=True).sin()), batch_size=BATCH)
 
 
-def fit(module, callback=None, steps=STEPS, logger=False):
+def fit(module, *callbacks, steps=STEPS, logger=False):
     trainer = pl.Trainer(
         max_steps=steps,
         logger=logger,
@@ -81,7 +81,7 @@ def fit(module, callback=None, steps=STEPS, logger=False):
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
-        callbacks=[callback] if callback is not None else [],
+        callbacks=list(callbacks),
     )
     trainer.fit(module)
     return trainer
@@ -216,16 +216,7 @@ def test_a_background_compile_starts_after_the_reference_steps_so_none_of_them_r
     )
     eager, module = MLP(), MLP()
     fit(eager)
-    trainer = pl.Trainer(
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        callbacks=[callback, Watch()],
-    )
-    trainer.fit(module)
+    fit(module, callback, Watch())
     assert isinstance(callback.background, BackgroundCompile) and callback.background.installed
     assert steps_when_recorded == [REFERENCE + 1]
     summary = callback.summary()

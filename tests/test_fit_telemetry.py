@@ -35,10 +35,11 @@ def slow_compile(graph_module, example_inputs):
     return graph_module.forward
 
 
-def fit(module, callback, steps, tmp_path):
+def fit(module, callback, steps, tmp_path, logger=None):
+    """A CPU fit of ``steps``, logged by ``logger`` (a CSV log under ``tmp_path`` by default)."""
     trainer = pl.Trainer(
         max_steps=steps,
-        logger=CSVLogger(tmp_path),
+        logger=logger or CSVLogger(tmp_path),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -412,14 +413,5 @@ def fit_logged_to_wandb(module: pl.LightningModule, callback, steps: int, tmp_pa
     """A CPU fit of ``steps`` logged to an offline W&B run under ``tmp_path``, the run finished."""
     from lightning.pytorch.loggers import WandbLogger
 
-    trainer = pl.Trainer(
-        max_steps=steps,
-        logger=WandbLogger(save_dir=tmp_path, offline=True),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        callbacks=[callback],
-    )
-    trainer.fit(module)
+    trainer = fit(module, callback, steps, tmp_path, logger=WandbLogger(save_dir=tmp_path, offline=True))
     trainer.logger.experiment.finish()
